@@ -1,0 +1,40 @@
+# hsextract: raw tokenized shards -> verified per-chunk hidden states.
+#   snakemake -j1 extract_all     everything
+#   snakemake -n extract_all      the plan (no model loaded, no GPU touched)
+#   snakemake -j1 <chunk file>    redo one chunk
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config.yaml"
+
+
+include: "rules/common.smk"
+include: "rules/demo.smk"
+include: "rules/data.smk"
+include: "rules/server.smk"
+include: "rules/extract.smk"
+
+
+localrules:
+    extract_all,
+
+
+# The chunk files are listed here, not only through the manifest: Snakemake does not
+# regenerate a missing intermediate whose consumers are up to date, and a deleted chunk
+# must be planned again by `snakemake -n extract_all`.
+rule extract_all:
+    input:
+        hidden=expand(run_path("hidden/chunk_{chunk}.safetensors"), chunk=CHUNK_IDS),
+        sidecars=expand(run_path("hidden/chunk_{chunk}.json"), chunk=CHUNK_IDS),
+        manifest=run_path("manifest.json"),
+    default_target: True
+
+
+onsuccess:
+    stop_servers()
+
+
+onerror:
+    stop_servers()

@@ -1,0 +1,38 @@
+# Upstream inputs through ancient(): a relaunched server or a re-stamped state file must
+# never make finished chunks look out of date.  A changed chunk input is still caught:
+# the client checks each chunk file's sha256 against chunks/index.json.
+rule extract_chunk:
+    input:
+        chunk=ancient(run_path("chunks/chunk_{chunk}.jsonl")),
+        index=ancient(run_path("chunks/index.json")),
+        server=ancient(run_path("state/server.json")),
+    output:
+        hidden=run_path("hidden/chunk_{chunk}.safetensors"),
+        sidecar=run_path("hidden/chunk_{chunk}.json"),
+    log:
+        run_path("logs/extract_chunk_{chunk}.log"),
+    benchmark:
+        run_path("benchmarks/extract_chunk_{chunk}.tsv")
+    wildcard_constraints:
+        chunk=r"\d{5}",
+    conda:
+        "../envs/hsextract.yaml"
+    script:
+        "../scripts/extract_chunk.py"
+
+
+rule manifest:
+    input:
+        hidden=expand(run_path("hidden/chunk_{chunk}.safetensors"), chunk=CHUNK_IDS),
+        sidecars=expand(run_path("hidden/chunk_{chunk}.json"), chunk=CHUNK_IDS),
+        stats=run_path("merged/stats.json"),
+    output:
+        manifest=run_path("manifest.json"),
+    log:
+        run_path("logs/manifest.log"),
+    benchmark:
+        run_path("benchmarks/manifest.tsv")
+    conda:
+        "../envs/hsextract.yaml"
+    script:
+        "../scripts/manifest.py"

@@ -1,0 +1,163 @@
+"""Disk and /dev/shm budgets, checked before anything touches a GPU.
+
+At hidden size 7168 with 3 aux layers + the final state in bf16 a token costs ~57 KB, so
+the seed's 88 M tokens are ~5 TB: a wrong guess about space costs hours of GPU time.
+Every failure names the numbers and the config key that changes them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hsextract.errors import HsextractError
+
+DTYPE_BYTES = {
+    "float32": 4,
+    "fp32": 4,
+    "float": 4,
+    "bfloat16": 2,
+    "bf16": 2,
+    "float16": 2,
+    "fp16": 2,
+    "half": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+#: Chunk files store input_ids as int32 and loss_mask as uint8.
+ID_BYTES, MASK_BYTES = 4, 1
+#: Dump pieces store input_ids as int64 and no mask (see hsextract.capture).
+DUMP_ID_BYTES = 8
+
+
+class BudgetError(HsextractError):
+    """The run will not fit: disk at the output root or the /dev/shm dump budget."""
+
+
+def dtype_bytes(dtype: Any) -> int:
+    """Bytes per element of a dtype name ('bfloat16', 'torch.float16', ...), no torch import."""
+    name = str(dtype).removeprefix("torch.").lower()
+    if name not in DTYPE_BYTES:
+        raise BudgetError(f"unknown dtype {dtype!r} (config key: model.dtype)")
+    return DTYPE_BYTES[name]
+
+
+def bytes_per_token(hidden_size: int, n_aux: int, dtype: Any) -> int:
+    """Output bytes per token: final + aux hidden states, plus int32 id and uint8 mask."""
+    return dtype_bytes(dtype) * hidden_size * (n_aux + 1) + ID_BYTES + MASK_BYTES
+
+
+def dump_bytes_per_token(hidden_size: int, n_aux: int, dtype: Any) -> int:
+    """Bytes per token of a dump piece in /dev/shm (int64 ids, no mask)."""
+    return dtype_bytes(dtype) * hidden_size * (n_aux + 1) + DUMP_ID_BYTES
+
+
+def max_in_flight(shm_budget_bytes: int, per_request_bytes: int) -> int:
+    """How many requests may have dump pieces at once; at least 1 so work can proceed.
+
+    The preflight has already refused a budget below one request, so 1 is never a lie.
+    """
+    if per_request_bytes <= 0:
+        raise ValueError(f"per_request_bytes must be > 0, got {per_request_bytes}")
+    return max(1, int(shm_budget_bytes // per_request_bytes))
+
+
+def probe_free_bytes(path: Path) -> int:
+    """Free bytes (for this user) on the filesystem that holds ``path`` or would hold it.
+
+    The nearest existing ancestor is probed, since the output dir may not exist yet.
+    Tests patch this function at module level.
+    """
+    p = Path(os.path.abspath(path))
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000 or unit == "PB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n} B"
+
+
+def preflight(
+    *,
+    total_tokens: int,
+    max_len: int,
+    hidden_size: int,
+    n_aux: int,
+    dtype: Any,
+    output_root: Path,
+    dump_dir: Path,
+    requests_in_flight: int,
+    shm_budget_bytes: int,
+    free_bytes: Callable[[Path], int] | None = None,
+    headroom: float = 0.02,
+) -> dict[str, Any]:
+    """Check both budgets; return the figures or raise BudgetError naming the key to change.
+
+    ``headroom`` is the fraction of the estimate kept free on top (safetensors headers,
+    sidecars, filesystem slack).  ``free_bytes`` defaults to :func:`probe_free_bytes`,
+    looked up at call time so tests can patch the module attribute.
+    """
+    probe = free_bytes or (lambda p: probe_free_bytes(p))
+    bpt = bytes_per_token(hidden_size, n_aux, dtype)
+    out_need = int(total_tokens * bpt * (1 + headroom))
+    out_free = probe(Path(output_root))
+    per_request = max_len * dump_bytes_per_token(hidden_size, n_aux, dtype)
+    fit = shm_budget_bytes // per_request if per_request else 0
+    in_flight_bytes = per_request * requests_in_flight
+    dump_free = probe(Path(dump_dir))
+    report = {
+        "bytes_per_token": bpt,
+        "total_tokens": total_tokens,
+        "output_bytes_needed": out_need,
+        "output_root": str(output_root),
+        "output_free_bytes": out_free,
+        "max_len": max_len,
+        "dump_bytes_per_request": per_request,
+        "requests_in_flight": requests_in_flight,
+        "dump_bytes_in_flight": in_flight_bytes,
+        "shm_budget_bytes": shm_budget_bytes,
+        "dump_dir": str(dump_dir),
+        "dump_free_bytes": dump_free,
+        "requests_that_fit_budget": int(fit),
+    }
+    problems = _problems(report, hidden_size, n_aux, dtype)
+    if problems:
+        raise BudgetError("budget preflight failed:\n  " + "\n  ".join(problems))
+    return report
+
+
+def _problems(r: dict[str, Any], hidden_size: int, n_aux: int, dtype: Any) -> list[str]:
+    """Each failed budget as one sentence: the numbers, then what to change."""
+    out = []
+    if r["output_bytes_needed"] > r["output_free_bytes"]:
+        out.append(
+            f"output: {r['total_tokens']:,} tokens x {r['bytes_per_token']:,} B/token "
+            f"(H={hidden_size}, {n_aux} aux + final, {dtype}) = "
+            f"{human(r['output_bytes_needed'])} with headroom, but {r['output_root']} has "
+            f"{human(r['output_free_bytes'])} free; free space there or change output_root "
+            "(or fewer tokens: inputs / max_seq_len, fewer layers: aux_layers)"
+        )
+    if r["dump_bytes_in_flight"] > r["shm_budget_bytes"]:
+        out.append(
+            f"dump: {r['requests_in_flight']} requests in flight x "
+            f"{human(r['dump_bytes_per_request'])} (max_len {r['max_len']}) = "
+            f"{human(r['dump_bytes_in_flight'])} > shm budget "
+            f"{human(r['shm_budget_bytes'])}; lower client.requests_in_flight to "
+            f"{max(r['requests_that_fit_budget'], 1)} or raise dump.shm_budget_gb"
+            + (" (one request alone exceeds it)" if r["requests_that_fit_budget"] < 1 else "")
+        )
+    if r["dump_bytes_in_flight"] > r["dump_free_bytes"]:
+        out.append(
+            f"dump: {human(r['dump_bytes_in_flight'])} in flight but {r['dump_dir']} has "
+            f"{human(r['dump_free_bytes'])} free; lower client.requests_in_flight, free "
+            "/dev/shm, or point dump.dir at a larger filesystem"
+        )
+    return out

@@ -1,0 +1,137 @@
+"""``hsextract``: the commands the rules use, for people too.
+
+hsextract patch apply|verify|revert --sglang-root DIR
+hsextract gpu-gate [--max-used-mib N] [--wait-s S]
+hsextract server command|start|status|stop [--configfile F] [--config key=value ...]
+hsextract inspect CHUNK_FILE
+hsextract verify MANIFEST
+hsextract run-dir [--configfile F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+
+from hsextract.errors import HsextractError
+
+
+def _load(args: argparse.Namespace) -> dict:
+    from hsextract.config import load_config
+
+    overrides = {}
+    for item in args.config or []:
+        key, _, value = item.partition("=")
+        overrides[key] = yaml.safe_load(value)
+    return load_config(args.configfile, overrides)
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--configfile", default="config.yaml", help="workflow config (default: %(default)s)"
+    )
+    p.add_argument("--config", nargs="*", metavar="KEY=VALUE", help="overrides, dotted keys")
+
+
+def _server(args: argparse.Namespace) -> int:
+    from hsextract import server
+    from hsextract.config import run_dir
+
+    cfg = _load(args)
+    rd = run_dir(cfg)
+    state_dir = rd / "state"
+    if args.action == "command":
+        spec = server.build_spec(cfg, run_dir=rd, log_path=rd / "logs" / "server.log")
+        for key, value in sorted(spec.env.items()):
+            print(f"export {key}={json.dumps(value) if ' ' in value else value}")
+        import shlex
+
+        print(shlex.join(spec.argv))
+        return 0
+    if args.action == "status":
+        state = server.read_json(server.live_path(state_dir))
+        alive = bool(state) and server.is_serving(state, state["spec"]["fingerprint"])
+        print(
+            json.dumps(
+                {"run_dir": str(rd), "serving": alive, "state": state}, indent=2, default=str
+            )
+        )
+        return 0 if alive else 1
+    if args.action == "stop":
+        print("stopped" if server.stop_live(state_dir) else "no live server for this run")
+        return 0
+    if args.action == "start":
+        server_json = state_dir / "server.json"
+        if not server_json.exists():
+            raise HsextractError(f"{server_json} missing: run `snakemake -j1 {server_json}` first")
+        state = server.ensure(server_json)
+        print(json.dumps({"url": state["url"], "pid": state["pid"]}))
+        return 0
+    raise AssertionError(args.action)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from hsextract.chunks import inspect_text
+
+    print(inspect_text(args.chunk))
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from hsextract.manifest import verify_manifest
+
+    problems = verify_manifest(Path(args.manifest))
+    for p in problems:
+        print(p)
+    print("ok: every chunk matches the manifest" if not problems else f"{len(problems)} problem(s)")
+    return 1 if problems else 0
+
+
+def _run_dir(args: argparse.Namespace) -> int:
+    from hsextract.config import run_dir
+
+    print(run_dir(_load(args)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from hsextract import gpu, patching
+
+    parser = argparse.ArgumentParser(
+        prog="hsextract", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    patching.register_cli(sub)
+    gpu.register_cli(sub)
+    p = sub.add_parser("server", help="the extraction server of a config's run")
+    p.add_argument("action", choices=["command", "start", "status", "stop"])
+    _add_config_args(p)
+    p.set_defaults(func=_server)
+    p = sub.add_parser("inspect", help="print a chunk file's metadata and shapes")
+    p.add_argument("chunk")
+    p.set_defaults(func=_inspect)
+    p = sub.add_parser("verify", help="re-hash every chunk of a manifest")
+    p.add_argument("manifest")
+    p.set_defaults(func=_verify)
+    p = sub.add_parser("run-dir", help="print the run directory (fingerprint) of a config")
+    _add_config_args(p)
+    p.set_defaults(func=_run_dir)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except HsextractError as exc:
+        print(f"hsextract: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

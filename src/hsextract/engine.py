@@ -1,0 +1,455 @@
+"""The reference engine: an HF-transformers forward behind SGLang's HTTP API subset.
+
+It stands in for SGLang wherever a GPU node or a live SGLang cannot be had (CI, laptops,
+the embedded default) and it is a real engine, not a mock: requests are scheduled the way
+SGLang schedules them -- *chunked prefill* (a long prompt goes through several EXTEND
+passes, its KV cache carried between them) and *continuous batching* (several requests'
+extend segments padded into one batched forward) -- and every EXTEND pass hands its
+per-request slices to :mod:`hsextract.capture`, the same code the SGLang patch calls.
+DECODE passes (``max_new_tokens`` > 0) capture nothing, as in the patch.
+
+API (what the hsextract client uses): ``GET /health``, ``GET /get_model_info``,
+``POST /generate`` with ``input_ids``, ``rid`` and ``sampling_params.max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+
+from hsextract import __version__
+from hsextract.capture import DumpWriter, get_writer
+
+log = logging.getLogger("hsextract.engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Request:
+    """One /generate call as the scheduler sees it."""
+
+    rid: str
+    input_ids: list[int]
+    max_new_tokens: int
+    future: Future = field(default_factory=Future)
+    prefilled: int = 0
+    # Per layer (keys, values), each [1, heads, seq, dim]; MLA keeps compressed latents.
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    last_logits: torch.Tensor | None = None
+
+    @property
+    def remaining(self) -> int:
+        return len(self.input_ids) - self.prefilled
+
+
+class ModelRunner:
+    """Batched EXTEND and DECODE forwards over per-request KV caches, with capture on extend.
+
+    Requests in one EXTEND batch may sit at different prefix lengths.  Their cached K/V are
+    left-padded to the longest prefix and their new tokens right-padded to the longest
+    segment; a 2-D attention mask hides the pads, explicit position ids keep RoPE exact.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str = "float32",
+        device: str = "cpu",
+        aux_layers: Sequence[int] | None = None,
+        writer: DumpWriter | None = None,
+        batch_invariant: bool = True,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.device = torch.device(device)
+        self.dtype = DTYPES[dtype]
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+        self.model.to(self.device).eval()
+        self.config = self.model.config
+        self.num_layers = int(self.config.num_hidden_layers)
+        self.hidden_size = int(self.config.hidden_size)
+        n = self.num_layers
+        self.aux_layers = list(aux_layers) if aux_layers is not None else [2, n // 2, n - 3]
+        self.writer = writer
+        self.batch_invariant = batch_invariant
+        params = inspect.signature(self.model.model.forward).parameters
+        # transformers renamed past_key_values -> cache; accept either release.
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    @torch.inference_mode()
+    def extend(self, reqs: Sequence[Request], lens: Sequence[int]) -> None:
+        """Prefill ``lens[j]`` more tokens of each request as one EXTEND batch; capture it.
+
+        Batch-invariant mode computes each request's segment in its own forward, so a
+        record's numbers depend only on its tokens and segment boundaries, never on which
+        requests happened to share the batch: a rerun reproduces the same bytes.  The
+        capture still sees one multi-request batch, exactly as from SGLang.
+        """
+        prefix = [r.prefilled for r in reqs]
+        if self.batch_invariant:
+            rows = [self._forward([r], [n])[0] for r, n in zip(reqs, lens, strict=True)]
+        else:
+            rows = self._forward(reqs, lens)
+        if self.writer is not None:
+            flat_ids = torch.cat([ids for ids, _ in rows])
+            final = torch.cat([hs[-1] for _, hs in rows])
+            aux = [torch.cat([hs[layer] for _, hs in rows]) for layer in self.aux_layers]
+            self.writer.write_batch(
+                [r.rid for r in reqs], prefix, list(lens), flat_ids, final, aux, self.aux_layers
+            )
+
+    def _forward(
+        self, reqs: Sequence[Request], lens: Sequence[int]
+    ) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+        """One padded batched forward; per request its new ids and hidden states [n, H]."""
+        from transformers import DynamicCache
+
+        b = len(reqs)
+        prefix = [r.prefilled for r in reqs]
+        p_max, n_max = max(prefix), max(lens)
+        ids = torch.zeros((b, n_max), dtype=torch.long)
+        pos = torch.zeros((b, n_max), dtype=torch.long)
+        mask = torch.zeros((b, p_max + n_max), dtype=torch.long)
+        for j, (r, n) in enumerate(zip(reqs, lens, strict=True)):
+            p = prefix[j]
+            ids[j, :n] = torch.tensor(r.input_ids[p : p + n])
+            pos[j] = torch.arange(p, p + n_max)
+            mask[j, p_max - p : p_max + n] = 1
+        cache = DynamicCache(config=self.config)
+        if p_max > 0:
+            for layer in range(self.num_layers):
+                ks, vs = [], []
+                for r in reqs:
+                    k, v = r.kv[layer] if r.kv is not None else (None, None)
+                    ks.append(_left_pad(k, p_max, like=reqs, layer=layer, idx=0))
+                    vs.append(_left_pad(v, p_max, like=reqs, layer=layer, idx=1))
+                cache.update(torch.cat(ks), torch.cat(vs), layer)
+        out = self.model.model(
+            input_ids=ids.to(self.device),
+            # Without padding there is nothing to mask; passing no mask keeps the
+            # single-request path identical to a plain forward.
+            attention_mask=mask.to(self.device) if b > 1 else None,
+            position_ids=pos.to(self.device),
+            use_cache=True,
+            output_hidden_states=True,
+            **{self._cache_kw: cache},
+        )
+        hs = out.hidden_states  # [0] embeddings, [i] entering layer i, [-1] after final norm
+        result = []
+        for j, r in enumerate(reqs):
+            n, p = lens[j], prefix[j]
+            r.kv = [
+                (
+                    cache.layers[layer].keys[j : j + 1, :, p_max - p : p_max + n].clone(),
+                    cache.layers[layer].values[j : j + 1, :, p_max - p : p_max + n].clone(),
+                )
+                for layer in range(self.num_layers)
+            ]
+            r.prefilled += n
+            if r.prefilled == len(r.input_ids):
+                r.last_logits = self.model.lm_head(hs[-1][j, n - 1])
+            result.append((ids[j, :n], [h[j, :n] for h in hs]))
+        return result
+
+    @torch.inference_mode()
+    def decode(self, req: Request) -> None:
+        """One greedy DECODE step; never captured (EAGLE-3 trains on the prompt's states)."""
+        from transformers import DynamicCache
+
+        token = int(torch.argmax(req.last_logits))
+        req.output_ids.append(token)
+        if len(req.output_ids) >= req.max_new_tokens:
+            return
+        cache = DynamicCache(config=self.config)
+        for layer, (k, v) in enumerate(req.kv or []):
+            cache.update(k, v, layer)
+        seq = len(req.input_ids) + len(req.output_ids) - 1
+        out = self.model.model(
+            input_ids=torch.tensor([[token]], device=self.device),
+            position_ids=torch.tensor([[seq]], device=self.device),
+            use_cache=True,
+            **{self._cache_kw: cache},
+        )
+        req.kv = [(cache.layers[i].keys, cache.layers[i].values) for i in range(self.num_layers)]
+        req.last_logits = self.model.lm_head(out.last_hidden_state[0, -1])
+
+
+def _left_pad(t: torch.Tensor | None, width: int, *, like, layer: int, idx: int) -> torch.Tensor:
+    """Left-pad a [1, h, s, d] cache tensor to ``width`` along the sequence axis."""
+    if t is None:
+        ref = next(r.kv[layer][idx] for r in like if r.kv is not None)
+        return ref.new_zeros((1, ref.shape[1], width, ref.shape[3]))
+    pad = width - t.shape[2]
+    if pad == 0:
+        return t
+    return torch.cat([t.new_zeros((1, t.shape[1], pad, t.shape[3])), t], dim=2)
+
+
+class Scheduler:
+    """SGLang-like scheduling: a token budget per EXTEND batch, a cap on running requests."""
+
+    def __init__(self, runner: ModelRunner, chunked_prefill_size: int, max_running: int) -> None:
+        self.runner = runner
+        self.budget = chunked_prefill_size if chunked_prefill_size > 0 else sys.maxsize
+        self.max_running = max_running
+        self.waiting: queue.Queue[Request] = queue.Queue()
+        self.running: list[Request] = []
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+
+    def submit(self, req: Request) -> Future:
+        self.waiting.put(req)
+        return req.future
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _admit(self, block: bool) -> None:
+        while len(self.running) < self.max_running:
+            try:
+                req = self.waiting.get(block=block and not self.running, timeout=0.05)
+            except queue.Empty:
+                return
+            self.running.append(req)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._admit(block=True)
+            if not self.running:
+                continue
+            try:
+                self.step()
+            except Exception as exc:  # a failed forward fails its batch, not the server
+                log.exception("forward failed")
+                for r in self.running:
+                    if not r.future.done():
+                        r.future.set_exception(exc)
+                self.running = []
+
+    def step(self) -> None:
+        """Run one EXTEND batch, or DECODE steps when nothing is left to prefill.
+
+        SGLang fills the token budget and chunks whichever request overflows it, so chunk
+        boundaries depend on what else is running.  Batch-invariant mode instead cuts every
+        request at multiples of the budget and batches whole segments, so boundaries (and
+        with them the numbers) depend on the request alone.
+        """
+        batch, lens, left = [], [], self.budget
+        for r in self.running:
+            if r.remaining <= 0 or left <= 0:
+                continue
+            if self.runner.batch_invariant:
+                n = min(r.remaining, self.budget)
+                if n > left and batch:
+                    continue
+            else:
+                n = min(r.remaining, left)
+            batch.append(r)
+            lens.append(n)
+            left -= n
+        if batch:
+            self.runner.extend(batch, lens)
+        else:
+            for r in self.running:
+                self.runner.decode(r)
+        done = [
+            r for r in self.running if r.remaining == 0 and len(r.output_ids) >= r.max_new_tokens
+        ]
+        for r in done:
+            self.running.remove(r)
+            r.kv = None
+            r.future.set_result(r)
+
+
+class EngineServer:
+    """The HTTP front: validates requests like SGLang and hands them to the scheduler."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        *,
+        context_length: int,
+        model_path: str,
+        api_key: str | None,
+    ) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.context_length = context_length
+        self.model_path = model_path
+        self.api_key = api_key
+
+    def model_info(self) -> dict:
+        return {
+            "model_path": self.model_path,
+            "is_generation": True,
+            "context_length": self.context_length,
+            "engine": "reference",
+            "engine_version": __version__,
+            "hidden_size": self.runner.hidden_size,
+            "num_hidden_layers": self.runner.num_layers,
+            "aux_layers": self.runner.aux_layers,
+            "dtype": str(self.runner.dtype).removeprefix("torch."),
+            "capture": self.runner.writer is not None,
+            "batch_invariant": self.runner.batch_invariant,
+        }
+
+    def generate(self, body: dict) -> tuple[int, dict]:
+        ids = body.get("input_ids")
+        if isinstance(ids, list) and ids and isinstance(ids[0], list):
+            if len(ids) != 1:
+                return 400, {"error": "batched input_ids are not supported; send one request"}
+            ids = ids[0]
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+            return 400, {"error": "input_ids must be a non-empty list of ints"}
+        if len(ids) > self.context_length:
+            return 400, {
+                "error": f"input length {len(ids)} exceeds context length {self.context_length}"
+            }
+        vocab = int(self.runner.config.vocab_size)
+        if any(t < 0 or t >= vocab for t in ids):
+            return 400, {"error": f"token id outside [0, {vocab})"}
+        rid = str(body.get("rid") or f"ref-{time.monotonic_ns():x}")
+        sp = body.get("sampling_params") or {}
+        max_new = int(sp.get("max_new_tokens", 0) or 0)
+        req = Request(rid=rid, input_ids=ids, max_new_tokens=max_new)
+        self.scheduler.submit(req).result()
+        return 200, {
+            "text": "",
+            "output_ids": req.output_ids,
+            "meta_info": {
+                "id": rid,
+                "prompt_tokens": len(ids),
+                "completion_tokens": len(req.output_ids),
+                "finish_reason": {"type": "length", "length": max_new},
+            },
+        }
+
+    def handler(self) -> type[BaseHTTPRequestHandler]:
+        engine = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, fmt: str, *args: object) -> None:
+                log.debug("%s " + fmt, self.address_string(), *args)
+
+            def _send(self, code: int, payload: dict | str) -> None:
+                body = (payload if isinstance(payload, str) else json.dumps(payload)).encode()
+                self.send_response(code)
+                ctype = "text/plain" if isinstance(payload, str) else "application/json"
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _authorized(self) -> bool:
+                if not engine.api_key:
+                    return True
+                return self.headers.get("Authorization") == f"Bearer {engine.api_key}"
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+                if not self._authorized():
+                    return self._send(HTTPStatus.UNAUTHORIZED, {"error": "bad api key"})
+                if self.path == "/health":
+                    return self._send(200, "ok")
+                if self.path == "/get_model_info":
+                    return self._send(200, engine.model_info())
+                self._send(404, {"error": f"no route {self.path}"})
+
+            def do_POST(self) -> None:  # noqa: N802
+                if not self._authorized():
+                    return self._send(HTTPStatus.UNAUTHORIZED, {"error": "bad api key"})
+                if self.path != "/generate":
+                    return self._send(404, {"error": f"no route {self.path}"})
+                try:
+                    length = int(self.headers.get("Content-Length", 0))
+                    body = json.loads(self.rfile.read(length) or b"{}")
+                    code, payload = engine.generate(body)
+                except Exception as exc:
+                    log.exception("generate failed")
+                    code, payload = 500, {"error": f"{type(exc).__name__}: {exc}"}
+                self._send(code, payload)
+
+        return Handler
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    # Flag names mirror sglang.launch_server's, so both engines read alike in server.json.
+    p = argparse.ArgumentParser(prog="python -m hsextract.engine", description=__doc__)
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--context-length", type=int, required=True)
+    p.add_argument("--chunked-prefill-size", type=int, default=8192)
+    p.add_argument("--max-running-requests", type=int, default=8)
+    p.add_argument("--aux-layers", type=json.loads, default=None, help="JSON list")
+    p.add_argument("--api-key", default=os.environ.get("HSEXTRACT_API_KEY"))
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: default)")
+    p.add_argument(
+        "--no-batch-invariant",
+        dest="batch_invariant",
+        action="store_false",
+        help="one padded forward per batch (SGLang-like numerics, not bit-reproducible)",
+    )
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    writer = get_writer()
+    runner = ModelRunner(
+        args.model_path, args.dtype, args.device, args.aux_layers, writer, args.batch_invariant
+    )
+    scheduler = Scheduler(runner, args.chunked_prefill_size, args.max_running_requests)
+    scheduler.start()
+    engine = EngineServer(
+        runner,
+        scheduler,
+        context_length=args.context_length,
+        model_path=args.model_path,
+        api_key=args.api_key,
+    )
+    httpd = ThreadingHTTPServer((args.host, args.port), engine.handler())
+    httpd.daemon_threads = True
+    log.info(
+        "reference engine up on %s:%d (capture %s, aux layers %s)",
+        args.host,
+        args.port,
+        "on" if writer else "off",
+        runner.aux_layers,
+    )
+    try:
+        httpd.serve_forever()
+    finally:
+        scheduler.stop()
+        if writer is not None:
+            writer.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,396 @@
+"""Server lifetime: launch, health, ensure-alive, stop -- for both engines.
+
+The server outlives the Snakemake job that launched it (new session, detached), so chunk
+jobs can share it; ``ensure()`` lets any chunk job, even one rerun days later, find it alive
+or relaunch it from the recorded spec under a file lock.  A watchdog process stops it when
+the workflow that owns it dies (SIGKILL, Ctrl-C), so a crash never leaves 8 GPUs held.
+
+Files (per run dir):
+- ``state/server.json``: what ``launch_server`` recorded (the Snakemake output; never
+  rewritten afterwards, so it never invalidates finished chunks);
+- ``state/server.<host>.live.json``: the process serving now on this host (pid, url,
+  watchdog), rewritten by every relaunch.  Per host, so chunk jobs spread over nodes each
+  own their node's server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hsextract.errors import HsextractError
+
+OWNER_ENV = "HSEXTRACT_OWNER_PID"
+API_KEY_ENV = "HSEXTRACT_API_KEY"
+API_KEY_PLACEHOLDER = "${HSEXTRACT_API_KEY}"
+
+
+class ServerError(HsextractError):
+    """The server could not be started, or died, or is not ours."""
+
+
+@dataclass
+class ServerSpec:
+    """Everything needed to (re)start the server; recorded in server.json."""
+
+    engine: str
+    argv: list[str]
+    env: dict[str, str]
+    host: str
+    port: int
+    log_path: str
+    fingerprint: str
+    dump_dir: str
+    health_timeout_s: float = 900.0
+    api_key_env: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def pid_alive(pid: int | str | None) -> bool:
+    try:
+        pid = int(pid)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie still answers kill(0); treat it as dead.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def owner_pid() -> int:
+    """The workflow process that owns servers started now (set by the Snakefile)."""
+    value = os.environ.get(OWNER_ENV)
+    return int(value) if value and pid_alive(value) else os.getppid()
+
+
+def health(url: str, timeout: float = 5.0, api_key: str | None = None) -> bool:
+    import requests
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        return requests.get(f"{url}/health", timeout=timeout, headers=headers).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def model_info(url: str, api_key: str | None = None, timeout: float = 30.0) -> dict:
+    import requests
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    resp = requests.get(f"{url}/get_model_info", timeout=timeout, headers=headers)
+    resp.raise_for_status()
+    return resp.json()
+
+
+def log_tail(path: str | Path, lines: int = 30) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def start(spec: ServerSpec, *, owner: int | None = None) -> dict:
+    """Start the server detached, start its watchdog, wait for health; return live state."""
+    Path(spec.log_path).parent.mkdir(parents=True, exist_ok=True)
+    prepare_dump_dir(Path(spec.dump_dir))
+    env = {**os.environ, **spec.env}
+    if spec.api_key_env and spec.api_key_env not in env:
+        raise ServerError(f"server needs the API key in ${spec.api_key_env}, which is unset")
+    argv = [env.get(API_KEY_ENV, "") if a == API_KEY_PLACEHOLDER else a for a in spec.argv]
+    with open(spec.log_path, "ab") as logf:
+        logf.write(f"\n==== {time.strftime('%F %T')} start: {' '.join(spec.argv)}\n".encode())
+        logf.flush()
+        # A new session: Ctrl-C in the terminal reaches Snakemake, not the server; the
+        # watchdog, not the terminal, decides when the server goes away.
+        proc = subprocess.Popen(
+            argv, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    owner = owner if owner is not None else owner_pid()
+    watchdog = subprocess.Popen(
+        [sys.executable, "-m", "hsextract.watchdog", str(owner), str(proc.pid)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=open(spec.log_path, "ab"),  # noqa: SIM115 - inherited by the child
+        start_new_session=True,
+    )
+    state = {
+        "pid": proc.pid,
+        "pgid": proc.pid,
+        "watchdog_pid": watchdog.pid,
+        "owner_pid": owner,
+        "url": spec.url,
+        "host": socket.gethostname(),
+        "started_at": time.time(),
+        "spec": asdict(spec),
+    }
+    deadline = time.monotonic() + spec.health_timeout_s
+    api_key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
+    while True:
+        if proc.poll() is not None:
+            stop(state)
+            raise ServerError(
+                f"{spec.engine} server exited with code {proc.returncode} before becoming "
+                f"healthy; last lines of {spec.log_path}:\n{log_tail(spec.log_path)}"
+            )
+        if health(spec.url, timeout=2.0, api_key=api_key):
+            break
+        if time.monotonic() > deadline:
+            stop(state)
+            raise ServerError(
+                f"{spec.engine} server not healthy after {spec.health_timeout_s:.0f}s "
+                f"(server.health_timeout_s); last lines of {spec.log_path}:\n"
+                f"{log_tail(spec.log_path)}"
+            )
+        time.sleep(0.2)
+    state["healthy_at"] = time.time()
+    state["model_info"] = model_info(spec.url, api_key)
+    return state
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def stop_process_group(pgid: int, grace_s: float = 10.0) -> None:
+    """SIGTERM the group, wait, then SIGKILL: SGLang's TP workers are in the same group."""
+    if not _signal_group(pgid, signal.SIGTERM):
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if not _group_alive(pgid):
+            return
+        time.sleep(0.1)
+    _signal_group(pgid, signal.SIGKILL)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # Members may be zombies awaiting their parent's wait(); reap what is ours.
+    try:
+        while os.waitpid(-pgid, os.WNOHANG)[0] > 0:
+            pass
+    except ChildProcessError:
+        pass
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def stop(state: dict) -> None:
+    pgid = int(state.get("pgid") or state.get("pid") or 0)
+    if pgid > 0:
+        stop_process_group(pgid)
+    wd = state.get("watchdog_pid")
+    if wd and pid_alive(wd):
+        try:
+            os.kill(int(wd), signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
+def live_path(state_dir: Path) -> Path:
+    return Path(state_dir) / f"server.{socket.gethostname()}.live.json"
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_json(path: Path, data: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def is_serving(state: dict | None, fingerprint: str) -> bool:
+    """Our process, alive, healthy, and serving the run we expect."""
+    if not state or not pid_alive(state.get("pid")):
+        return False
+    spec = state.get("spec", {})
+    if spec.get("fingerprint") != fingerprint:
+        return False
+    key_env = spec.get("api_key_env")
+    return health(state["url"], api_key=os.environ.get(key_env) if key_env else None)
+
+
+def ensure(server_json: Path, *, gate=None) -> dict:
+    """Return live state of a healthy server for this run, relaunching it if it is gone.
+
+    ``gate`` (a no-argument callable) runs before a relaunch: for SGLang that re-checks the
+    GPUs are clean, since whatever killed the server may still hold them.
+    """
+    from filelock import FileLock
+
+    recorded = read_json(server_json)
+    if recorded is None:
+        raise ServerError(f"{server_json} is missing or unreadable: run the launch_server rule")
+    spec = ServerSpec(**recorded["spec"])
+    state_dir = Path(server_json).parent
+    live = live_path(state_dir)
+    with FileLock(str(live) + ".lock"):
+        state = read_json(live)
+        if is_serving(state, spec.fingerprint):
+            return state  # type: ignore[return-value]
+        if state:
+            stop(state)  # half-dead or unhealthy: make sure nothing of it lingers
+        if gate is not None:
+            gate()
+        if spec.extra.get("port_auto"):
+            spec.port = free_port(spec.host)
+            spec.argv = _with_port(spec.argv, spec.port)
+        state = start(spec)
+        write_json(live, state)
+        return state
+
+
+def _with_port(argv: list[str], port: int) -> list[str]:
+    out = list(argv)
+    i = out.index("--port")
+    out[i + 1] = str(port)
+    return out
+
+
+def stop_live(state_dir: Path) -> bool:
+    """Stop this host's live server of a run dir, if any; used by onsuccess/onerror."""
+    live = live_path(state_dir)
+    state = read_json(live)
+    if not state:
+        return False
+    stop(state)
+    live.unlink(missing_ok=True)
+    return True
+
+
+def prepare_dump_dir(path: Path) -> Path:
+    """Create the dump dir as ours (mode 0700) or accept an existing one only if it is ours.
+
+    /dev/shm is world-writable: another user could pre-create our name as a symlink or a
+    dir they own and read, swap or plant pieces.  Refuse both.
+    """
+    from hsextract.config import RUN_MARKER
+
+    path = Path(path)
+    if path.is_symlink():
+        raise ServerError(f"dump dir {path} is a symlink; refusing (remove it or set dump.dir)")
+    try:
+        path.mkdir(mode=0o700, parents=False)
+    except FileExistsError:
+        st = path.lstat()
+        if not path.is_dir():
+            raise ServerError(f"dump dir {path} exists and is not a directory") from None
+        if st.st_uid != os.getuid():
+            raise ServerError(
+                f"dump dir {path} is owned by uid {st.st_uid}, not us ({os.getuid()}); "
+                "refusing: another user may control it. Remove it or set dump.dir"
+            ) from None
+        if st.st_mode & 0o077:
+            os.chmod(path, 0o700)
+    except FileNotFoundError:
+        raise ServerError(f"parent of dump dir {path} does not exist (dump.dir)") from None
+    (path / RUN_MARKER).touch()
+    return path
+
+
+def build_spec(cfg: dict, *, run_dir: Path, log_path: Path) -> ServerSpec:
+    """The launch spec for the configured engine, from the config alone."""
+    from hsextract.config import dump_dir, fingerprint
+
+    server = cfg["server"]
+    port_auto = server["port"] == 0
+    port = free_port(server["host"]) if port_auto else int(server["port"])
+    ddir = str(dump_dir(cfg))
+    env: dict[str, str] = {"SGLANG_HS_DUMP_DIR": ddir}
+    if cfg.get("aux_layers") is not None:
+        env["HSEXTRACT_AUX_LAYERS"] = json.dumps(cfg["aux_layers"])
+    api_key_env = API_KEY_ENV if server.get("api_key") else None
+    if cfg["engine"] == "reference":
+        argv = [
+            sys.executable, "-m", "hsextract.engine",
+            "--model-path", str(Path(cfg["model"]["path"]).resolve()),
+            "--dtype", cfg["model"]["dtype"],
+            "--device", server["device"],
+            "--host", server["host"],
+            "--port", str(port),
+            # The same max_seq_len the merge stage enforced: one source of truth.
+            "--context-length", str(cfg["max_seq_len"]),
+            "--chunked-prefill-size", str(server["chunked_prefill_size"]),
+            "--max-running-requests", str(server["max_running_requests"]),
+        ]  # fmt: skip
+        if not server["batch_invariant"]:
+            argv.append("--no-batch-invariant")
+        if cfg.get("aux_layers") is not None:
+            argv += ["--aux-layers", json.dumps(cfg["aux_layers"])]
+    else:
+        from hsextract.sglang import build_launch
+
+        argv, sg_env = build_launch(cfg, dump_dir=ddir, port=port)
+        env.update(sg_env)
+        # SGLang takes the key only on its command line; the recorded spec (server.json,
+        # logs) holds a placeholder that start() fills from the environment.
+        argv = [API_KEY_PLACEHOLDER if a == server.get("api_key") else a for a in argv]
+    return ServerSpec(
+        engine=cfg["engine"],
+        argv=argv,
+        env=env,
+        host=server["host"],
+        port=port,
+        log_path=str(log_path),
+        fingerprint=fingerprint(cfg),
+        dump_dir=ddir,
+        health_timeout_s=float(server["health_timeout_s"]),
+        api_key_env=api_key_env,
+        extra={"port_auto": port_auto, "run_dir": str(run_dir)},
+    )

@@ -1,0 +1,265 @@
+"""The extraction-mode ``python -m sglang.launch_server`` command for SGLang 0.5.23.
+
+Every flag here is a name the pinned source declares (tests parse
+``sglang/srt/arg_groups/fields/*.py`` and ``srt/server_args.py``), never a deprecated or
+abbreviated spelling: ``--tp-size`` not ``--tp`` (which only works as an argparse
+abbreviation), ``--cuda-graph-backend-{decode,prefill} disabled`` not the deprecated
+``--disable-cuda-graph``.  Why each setting (the seed's five):
+
+* CUDA graphs off for decode *and* prefill: the dump runs Python inside the forward, and a
+  graph replay runs none; 0.5.23 has prefill graphs too.
+* ``--disable-radix-cache``: every token is prefilled, no prefix reuse, so every position
+  is captured; no hierarchical cache (never emitted, refused in ``extra_args``).
+* loopback host, unless ``server.allow_remote`` and an API key.
+* a context length SGLang accepts every ``max_seq_len`` record under: its scheduler takes
+  an input only if ``len < context_length - 6`` (tp_worker: ``max_req_input_len =
+  (context_len - 1) - 5``; utils: refused when ``len >= max_req_input_len``), so we add
+  :data:`CONTEXT_HEADROOM`.
+* ``SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1`` so that context may exceed the model's
+  ``max_position_embeddings`` when a user asks for it; ``SGLANG_HS_DUMP_DIR`` turns the dump on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from hsextract.config import default_aux_layers, is_loopback
+from hsextract.errors import ConfigError
+
+#: SGLang 0.5.23 accepts an input of n tokens iff n < context_length - 6 (see module doc).
+CONTEXT_HEADROOM = 7
+#: What the client should send as ``sampling_params.max_new_tokens``: 0 is accepted by
+#: 0.5.23 (``max_new_tokens must be at least 0``) and makes the request prefill-only
+#: (``Req.is_prefill_only``), so no sampling and no decode forward follows the prefill.
+CLIENT_MAX_NEW_TOKENS = 0
+
+SGLANG_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+
+# Flags that would break extraction, with the reason shown to the user.  Checked against
+# extra_args including argparse abbreviations (SGLang's parser has allow_abbrev on).
+FORBIDDEN_FLAGS: dict[str, str] = {
+    "--enable-hierarchical-cache": "hierarchical cache is off in extraction mode",
+    "--enable-hicache": "hierarchical cache is off in extraction mode",
+    "--enable-lmcache": "LMCache is a hierarchical KV cache; off in extraction mode",
+    "--disable-cuda-graph": "deprecated spelling; CUDA graphs are already off for both phases",
+    "--cuda-graph-backend-decode": "CUDA graphs must stay disabled: the dump is Python",
+    "--cuda-graph-backend-prefill": "CUDA graphs must stay disabled: the dump is Python",
+    "--cuda-graph-config": "CUDA graphs must stay disabled: the dump is Python",
+    "--enable-torch-compile": "a compiled forward would not run the dump code as written",
+    "--enable-two-batch-overlap": "layers run through the overlap stage path are not captured",
+    "--enable-single-batch-overlap": "single-batch overlap is not supported by the capture",
+    "--enable-mixed-chunk": "decode tokens mixed into extend batches would be dumped",
+    "--allow-auto-truncate": "silently truncates records; max_seq_len is enforced upstream",
+    "--enable-dp-attention": "with DP attention rank 0 does not hold every request's rows",
+    "--attn-dp-size": "with DP attention rank 0 does not hold every request's rows",
+    "--dp-size": "one server per node: data parallel replicas are not supported",
+    "--data-parallel-size": "one server per node: data parallel replicas are not supported",
+    "--enable-attn-tp-input-scattered": "scattered attention input leaves rank 0 a slice",
+    "--pp-size": "pipeline parallelism splits aux layers and final norm across ranks",
+    "--pipeline-parallel-size": "pipeline parallelism splits aux layers and final norm",
+    "--speculative-draft-model-path": "speculative decoding changes what an extend pass is",
+    "--config": "a SGLang config file could re-enable anything; use sglang.extra_args",
+    "--radix-cache-backend": "radix cache is off in extraction mode (every token prefilled)",
+    "--enable-session-radix-cache": "radix cache is off in extraction mode",
+}
+# Flags we emit from config keys; set the key instead.
+MANAGED_FLAGS: dict[str, str] = {
+    "--model-path": "model.path",
+    "--model": "model.path",
+    "--dtype": "model.dtype",
+    "--tp-size": "sglang.tp_size",
+    "--tensor-parallel-size": "sglang.tp_size",
+    "--tp": "sglang.tp_size",
+    "--host": "server.host",
+    "--port": "server.port",
+    "--api-key": "server.api_key",
+    "--context-length": "max_seq_len (or sglang.context_length)",
+    "--chunked-prefill-size": "server.chunked_prefill_size",
+    "--max-running-requests": "server.max_running_requests",
+    "--mem-fraction-static": "sglang.mem_fraction_static",
+    "--disable-radix-cache": "always emitted",
+    "--skip-server-warmup": "always emitted",
+    "--speculative-algorithm": "capture (hooks sets it to EAGLE3 as a capture convention)",
+    "--enable-return-aux-hidden-states": "capture: hooks",
+    "--return-aux-hidden-state-layer-ids": "aux_layers",
+    "--forward-hooks": "capture: hooks",
+}
+# Environment variables build_launch owns.
+MANAGED_ENV = (
+    "SGLANG_HS_DUMP_DIR",
+    "HSEXTRACT_AUX_LAYERS",
+    "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN",
+    "PYTHONPATH",
+)
+
+SGLANG_DEFAULTS: dict[str, Any] = {
+    "python": "python",
+    "tp_size": 1,
+    "mem_fraction_static": None,
+    "context_length": None,
+    "extra_args": [],
+    "extra_env": {},
+}
+
+
+def sglang_section(cfg: dict) -> dict[str, Any]:
+    """The ``sglang:`` section with defaults filled (the schema fills them too)."""
+    return {**SGLANG_DEFAULTS, **(cfg.get("sglang") or {})}
+
+
+def context_length(cfg: dict) -> int:
+    """The ``--context-length`` that admits every record of ``max_seq_len`` tokens."""
+    configured = sglang_section(cfg)["context_length"]
+    return int(configured) if configured is not None else int(cfg["max_seq_len"]) + CONTEXT_HEADROOM
+
+
+def _flag_name(token: str) -> str:
+    return token.split("=", 1)[0]
+
+
+def _matches(token: str, flag: str) -> bool:
+    # argparse accepts any unambiguous prefix of a long option, so "--enable-hier" is
+    # "--enable-hierarchical-cache" to SGLang; refuse prefixes too.
+    name = _flag_name(token)
+    return name == flag or (len(name) > 3 and flag.startswith(name))
+
+
+def validate_sglang_config(cfg: dict) -> None:
+    """Raise ConfigError naming the reason when the config would leave extraction mode."""
+    sg = sglang_section(cfg)
+    unknown = sorted(set(sg) - set(SGLANG_DEFAULTS))
+    if unknown:
+        # e.g. a hopeful `disable_radix_cache: false`: settings go through known keys only.
+        raise ConfigError(f"unknown sglang keys {unknown}; known: {sorted(SGLANG_DEFAULTS)}")
+    if not isinstance(sg["python"], str) or not sg["python"]:
+        raise ConfigError("sglang.python must name the python of the SGLang env")
+    tp = sg["tp_size"]
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ConfigError(f"sglang.tp_size must be an integer >= 1, got {tp!r}")
+    dtype = cfg["model"]["dtype"]
+    if dtype not in SGLANG_DTYPES:
+        raise ConfigError(f"model.dtype {dtype!r} is not an SGLang dtype {SGLANG_DTYPES}")
+    max_seq_len = int(cfg["max_seq_len"])
+    ctx = context_length(cfg)
+    if ctx < max_seq_len + CONTEXT_HEADROOM:
+        raise ConfigError(
+            f"sglang.context_length {ctx} is too short for max_seq_len {max_seq_len}: SGLang "
+            f"0.5.23 refuses inputs of >= context_length - 6 tokens; use >= "
+            f"{max_seq_len + CONTEXT_HEADROOM} or null"
+        )
+    server = cfg.get("server") or {}
+    host = server.get("host", "127.0.0.1")
+    if not is_loopback(host) and not (server.get("allow_remote") and server.get("api_key")):
+        raise ConfigError(
+            f"server.host={host!r} is not loopback: needs server.allow_remote: true "
+            "and server.api_key"
+        )
+    extra = sg["extra_args"]
+    if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
+        raise ConfigError("sglang.extra_args must be a list of strings")
+    for token in extra:
+        if not token.startswith("--"):
+            continue
+        for flag, why in FORBIDDEN_FLAGS.items():
+            if _matches(token, flag):
+                raise ConfigError(f"sglang.extra_args {token!r} refused: {why}")
+        for flag, key in MANAGED_FLAGS.items():
+            if _matches(token, flag):
+                raise ConfigError(f"sglang.extra_args {token!r} refused: set {key} instead")
+    extra_env = sg["extra_env"]
+    if not isinstance(extra_env, dict):
+        raise ConfigError("sglang.extra_env must be a mapping of strings")
+    clash = sorted(set(extra_env) & set(MANAGED_ENV))
+    if clash:
+        raise ConfigError(f"sglang.extra_env may not set {clash}: build_launch owns them")
+    if cfg.get("capture", "patch") == "hooks":
+        layers = cfg.get("aux_layers")
+        if layers and layers[0] == 1:
+            # set_eagle3_layers_to_capture adds 1 to every id when the list starts with 1.
+            raise ConfigError(
+                f"capture: hooks cannot capture aux_layers {layers}: SGLang 0.5.23 shifts a "
+                "layer-id list starting with 1 by one; use capture: patch"
+            )
+
+
+def _aux_layers(cfg: dict) -> list[int] | None:
+    """Configured layers, else the EAGLE-3 default from the model's config.json if readable."""
+    if cfg.get("aux_layers") is not None:
+        return list(cfg["aux_layers"])
+    try:
+        hf = json.loads((Path(cfg["model"]["path"]) / "config.json").read_text())
+        return default_aux_layers(int(hf["num_hidden_layers"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # the server applies the same default from the loaded model
+
+
+def _src_dir() -> str:
+    # The SGLang env is the user's: the patch and the hook import hsextract from this
+    # checkout, which needs only torch + safetensors (both in any SGLang env).
+    return str(Path(__file__).resolve().parents[1])
+
+
+def build_launch(cfg: dict, *, dump_dir: str, port: int) -> tuple[list[str], dict[str, str]]:
+    """argv and the environment variables to add, for an extraction-mode SGLang server."""
+    validate_sglang_config(cfg)
+    sg = sglang_section(cfg)
+    server = cfg.get("server") or {}
+    argv = [
+        sg["python"], "-m", "sglang.launch_server",
+        "--model-path", str(cfg["model"]["path"]),
+        "--dtype", cfg["model"]["dtype"],
+        "--tp-size", str(sg["tp_size"]),
+        "--host", server.get("host", "127.0.0.1"),
+        "--port", str(port),
+        "--context-length", str(context_length(cfg)),
+        "--chunked-prefill-size", str(server.get("chunked_prefill_size", 8192)),
+        "--max-running-requests", str(server.get("max_running_requests", 8)),
+        "--cuda-graph-backend-decode", "disabled",
+        "--cuda-graph-backend-prefill", "disabled",
+        "--disable-radix-cache",
+        # SGLang's warmup /generate would be prefilled and dumped under a foreign rid.
+        "--skip-server-warmup",
+    ]  # fmt: skip
+    if sg["mem_fraction_static"] is not None:
+        argv += ["--mem-fraction-static", str(sg["mem_fraction_static"])]
+    if server.get("api_key"):
+        argv += ["--api-key", str(server["api_key"])]
+    layers = _aux_layers(cfg)
+    if cfg.get("capture", "patch") == "hooks":
+        # Imported here: hooks pulls in torch, which `server command` should not pay for.
+        from hsextract.hooks import forward_hooks_spec
+
+        # SGLang's own EAGLE-3 aux capture without a draft, plus our hook on the inner model.
+        argv += ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3"]
+        if cfg.get("aux_layers") is not None:
+            argv += ["--return-aux-hidden-state-layer-ids", *map(str, cfg["aux_layers"])]
+        argv += ["--forward-hooks", forward_hooks_spec(layers)]
+    argv += list(sg["extra_args"])
+    pythonpath = _src_dir()
+    if os.environ.get("PYTHONPATH"):
+        pythonpath += os.pathsep + os.environ["PYTHONPATH"]
+    env = {str(k): str(v) for k, v in sg["extra_env"].items()}
+    env.update(
+        {
+            "SGLANG_HS_DUMP_DIR": str(dump_dir),
+            "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1",
+            "PYTHONPATH": pythonpath,
+        }
+    )
+    if layers is not None:
+        env["HSEXTRACT_AUX_LAYERS"] = json.dumps(layers)
+    return argv, env
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """argv for logs and state files: the ``--api-key`` value masked."""
+    out = list(argv)
+    for i, token in enumerate(out):
+        if token == "--api-key" and i + 1 < len(out):
+            out[i + 1] = "***"
+        elif token.startswith("--api-key="):
+            out[i] = "--api-key=***"
+    return out

@@ -1,0 +1,117 @@
+"""Fixtures that run the real workflow (Snakemake, reference engine) on the embedded default."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def snakemake_cmd(workdir: Path, *args: str) -> list[str]:
+    return [
+        sys.executable, "-m", "snakemake",
+        "-s", str(REPO / "Snakefile"),
+        "--directory", str(workdir),
+        *args,
+    ]  # fmt: skip
+
+
+def run_snakemake(workdir: Path, *args: str, check: bool = True, timeout: float = 900):
+    proc = subprocess.run(
+        snakemake_cmd(workdir, *args), capture_output=True, text=True, timeout=timeout
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"snakemake {' '.join(args)} failed ({proc.returncode}):\n"
+            f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        )
+    return proc
+
+
+def make_workdir(path: Path, **overrides) -> Path:
+    """A workdir with the repo's config.yaml (plus overrides) and its own results/."""
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = yaml.safe_load((REPO / "config.yaml").read_text())
+    for key, value in overrides.items():
+        node = cfg
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    (path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def run_dir_of(workdir: Path) -> Path:
+    out = subprocess.run(
+        [sys.executable, "-m", "hsextract.cli", "run-dir", "--configfile", "config.yaml"],
+        cwd=workdir, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return workdir / out.stdout.strip()
+
+
+def planned_jobs(dry_run_stdout: str) -> dict[str, int]:
+    """Parse Snakemake's 'Job stats' table of a dry run."""
+    counts: dict[str, int] = {}
+    lines = dry_run_stdout.splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.startswith("Job stats"))
+    except StopIteration:
+        return counts
+    for line in lines[start + 3 :]:
+        parts = line.split()
+        if len(parts) != 2 or not parts[1].isdigit():
+            break
+        if parts[0] != "total":
+            counts[parts[0]] = int(parts[1])
+    return counts
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory) -> dict:
+    """One full `snakemake -j1 extract_all` of the embedded default, shared by the tests."""
+    workdir = make_workdir(tmp_path_factory.mktemp("demo"))
+    proc = run_snakemake(workdir, "-j1", "extract_all")
+    rd = run_dir_of(workdir)
+    manifest = json.loads((rd / "manifest.json").read_text())
+    return {
+        "workdir": workdir,
+        "run_dir": rd,
+        "manifest": manifest,
+        "stdout": proc.stdout + proc.stderr,
+    }
+
+
+@pytest.fixture
+def demo_copy(demo_run, tmp_path) -> dict:
+    """A private copy of the finished demo (mutating tests must not disturb the others)."""
+    src = demo_run["workdir"]
+    dst = tmp_path / "copy"
+    shutil.copytree(src, dst, symlinks=True)
+    # Snakemake's metadata records absolute paths of the original dir; the copy starts clean.
+    shutil.rmtree(dst / ".snakemake", ignore_errors=True)
+    rd = dst / demo_run["run_dir"].relative_to(src)
+    return {"workdir": dst, "run_dir": rd, "manifest": demo_run["manifest"]}
+
+
+def engine_processes() -> list[int]:
+    """PIDs of any hsextract reference-engine or watchdog process on this machine."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "hsextract.engine" in cmd or "hsextract.watchdog" in cmd:
+            pids.append(int(entry.name))
+    return pids

@@ -1,0 +1,234 @@
+"""The pinned SGLang 0.5.23 source, and a harness that runs its real code with stand-ins.
+
+The source is downloaded once (``pip download``) into ``$HSEXTRACT_CACHE`` (default
+``~/.cache/hsextract``; CI caches that dir).  Nothing here is a copy of SGLang: the harness
+pulls ``DeepseekV2Model.forward`` (pristine or patched), ``ForwardMode``,
+``AuxHiddenStatePacker`` and ``register_forward_hooks`` out of the real files and runs them
+with small stand-ins for the parts that need GPUs and a distributed runtime.
+"""
+
+from __future__ import annotations
+import __future__
+
+import ast
+import importlib.util
+import textwrap
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from enum import IntEnum, auto
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from hsextract.patching import apply_unified_diff, ensure_pinned_source, load_spec
+
+DSV2 = "srt/models/deepseek_v2.py"
+
+
+@pytest.fixture(scope="session")
+def sglang_src() -> Path:
+    """The directory holding the pinned ``sglang/`` package source (read only: never modify)."""
+    return ensure_pinned_source()
+
+
+@pytest.fixture(scope="session")
+def sglang_pkg(sglang_src: Path) -> Path:
+    """The pinned ``sglang`` package dir (what ``--sglang-root`` names)."""
+    return sglang_src / "sglang"
+
+
+def _node(tree: ast.Module, *path: str) -> ast.AST:
+    body: list[ast.stmt] = tree.body
+    node: ast.AST | None = None
+    for name in path:
+        node = next(
+            n for n in body if isinstance(n, ast.ClassDef | ast.FunctionDef) and n.name == name
+        )
+        body = node.body  # type: ignore[union-attr]
+    assert node is not None
+    return node
+
+
+def exec_defs(text: str, defs: list[tuple[str, ...]], globs: dict[str, Any]) -> dict[str, Any]:
+    """Exec the named (nested) defs of a source file into ``globs``; like the real module,
+    with postponed annotations."""
+    tree = ast.parse(text)
+    for path in defs:
+        node = _node(tree, *path)
+        seg = ast.get_source_segment(text, node)
+        assert seg is not None
+        src = textwrap.dedent(" " * node.col_offset + seg)  # type: ignore[attr-defined]
+        flags = __future__.annotations.compiler_flag
+        exec(
+            compile(src, f"<sglang {'.'.join(path)}>", "exec", flags=flags, dont_inherit=True),
+            globs,
+        )
+    return globs
+
+
+def load_file_module(path: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@dataclass
+class Harness:
+    """Runs SGLang's ``DeepseekV2Model.forward`` on a tiny stand-in model."""
+
+    forward: Callable[..., Any]  # the real (pristine or patched) function
+    ForwardMode: type
+    globs: dict[str, Any]
+    tp_rank: list[int] = field(default_factory=lambda: [0])
+
+
+class StandInLayer:
+    """Shaped like DeepseekV2DecoderLayer.__call__: captures the stream entering the layer
+    through ``captured_last_layer_outputs`` and then updates that buffer *in place*, as
+    SGLang's reused residual buffers do (so a collector that does not copy would be wrong)."""
+
+    def __init__(self, layer_id: int, hidden: int) -> None:
+        g = torch.Generator().manual_seed(100 + layer_id)
+        self.w = torch.randn(hidden, hidden, generator=g) / hidden**0.5
+
+    def __call__(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        forward_batch: Any,
+        zero_allocator: Any,
+        gemm_output_zero_allocator: Any = None,
+        llama_4_scaling: Any = None,
+        prev_topk_indices: Any = None,
+        captured_last_layer_outputs: Any = None,
+        next_full_attention_layer_id: Any = None,
+    ) -> tuple[torch.Tensor, None]:
+        if captured_last_layer_outputs is not None:
+            captured_last_layer_outputs.capture(hidden_states)  # borrowed, like SGLang's
+        hidden_states += torch.tanh(hidden_states @ self.w) + 0.01 * positions[:, None]
+        return hidden_states, None
+
+
+class StandInModel(nn.Module):
+    """The attributes DeepseekV2Model.forward reads, on a few tiny layers."""
+
+    def __init__(self, num_layers: int = 8, hidden: int = 8, vocab: int = 64) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.embed = torch.randn(vocab, hidden, generator=g)
+        self.norm_w = torch.rand(hidden, generator=g) + 0.5
+        self.config = SimpleNamespace(num_hidden_layers=num_layers)
+        self.start_layer, self.end_layer = 0, num_layers
+        self.layers = [StandInLayer(i, hidden) for i in range(num_layers)]
+        self.layers_to_capture: list[int] = []
+        self.next_full_attention_layer_id: dict[int, int] = {}
+        self.pp_group = SimpleNamespace(is_first_rank=True, is_last_rank=True)
+        self.use_dsa = False
+        self.first_k_dense_replace = 1
+        self.gemm_output_zero_allocator_size = 0
+        self.llama_4_scaling_config = None
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed[ids].clone()
+
+    def norm(self, h: torch.Tensor) -> torch.Tensor:
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm_w
+
+    def _dsa_forward_uses_topk(self) -> bool:
+        return False
+
+    def reference(self, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Plain per-request computation: final post-norm state and the stream entering
+        every layer, for one whole request starting at position 0."""
+        h = self.embed_tokens(ids)
+        pos = torch.arange(ids.shape[0])
+        entering = []
+        for layer in self.layers:
+            entering.append(h.clone())
+            h, _ = layer(pos, h, None, None)
+        return self.norm(h), entering
+
+
+def _stand_in_globals(pkg: Path, tp_rank: list[int]) -> dict[str, Any]:
+    aux_mod = load_file_module(pkg / "srt/layers/aux_hidden_states.py", "_pinned_aux_hidden_states")
+
+    def not_expected(*a: Any, **k: Any) -> Any:
+        raise AssertionError("path not expected in these tests (TBO / pipeline parallel)")
+
+    class IndexTopKShareState:
+        def __init__(self, forward_batch: Any, initial: Any) -> None:
+            self.topk_indices = initial
+
+        def update(self, topk: Any) -> None:
+            self.topk_indices = topk
+
+    residual_batch = SimpleNamespace(
+        start=lambda fb: None,
+        complete_output=lambda h, fb: h,
+        final_norm=lambda h, fb, norm: norm(h),
+        to_pp=not_expected,
+    )
+    recorder = SimpleNamespace(with_current_layer=lambda i: nullcontext())
+    return {
+        "torch": torch,
+        "nullcontext": nullcontext,
+        "residual_batch": residual_batch,
+        "IndexTopKShareState": IndexTopKShareState,
+        "BumpAllocator": lambda **k: None,
+        "check_cuda_graph_backend": lambda *a: False,
+        "Phase": SimpleNamespace(PREFILL="prefill"),
+        "Backend": SimpleNamespace(TC_PIECEWISE="tc_piecewise"),
+        "get_global_expert_distribution_recorder": lambda: recorder,
+        "AuxHiddenStatePacker": aux_mod.AuxHiddenStatePacker,  # the real one
+        "model_forward_stages": not_expected,
+        "dsa_layer_skips_topk": not_expected,
+        "get_dsa_index_topk": not_expected,
+        "_get_llama_4_scaling": not_expected,
+        # The TP-rank function: SGLang's get_parallel().tp_rank.
+        "get_parallel": lambda: SimpleNamespace(tp_rank=tp_rank[0]),
+    }
+
+
+def _forward_mode(pkg: Path) -> type:
+    g = exec_defs(
+        (pkg / "srt/model_executor/forward_batch_info.py").read_text(),
+        [("ForwardMode",)],
+        {"IntEnum": IntEnum, "auto": auto},
+    )
+    return g["ForwardMode"]
+
+
+def _harness(pkg: Path, patched: bool) -> Harness:
+    text = (pkg / DSV2).read_text()
+    defs: list[tuple[str, ...]] = [("DeepseekV2Model", "forward")]
+    if patched:
+        text = apply_unified_diff(text, load_spec("0.5.23").diff.read_text())
+        defs += [("_hs_dump_begin",), ("_hs_dump_collector",), ("_hs_dump_write",)]
+    tp_rank = [0]
+    globs = exec_defs(text, defs, _stand_in_globals(pkg, tp_rank))
+    return Harness(globs["forward"], _forward_mode(pkg), globs, tp_rank)
+
+
+@pytest.fixture(scope="session")
+def patched_forward(sglang_pkg: Path) -> Harness:
+    """The patched ``DeepseekV2Model.forward``, executable on a StandInModel."""
+    return _harness(sglang_pkg, patched=True)
+
+
+@pytest.fixture(scope="session")
+def pristine_forward(sglang_pkg: Path) -> Harness:
+    """The unmodified ``DeepseekV2Model.forward``, the baseline for 'nothing changes'."""
+    return _harness(sglang_pkg, patched=False)
+
+
+@pytest.fixture(scope="session")
+def forward_mode(sglang_pkg: Path) -> type:
+    """SGLang's real ``ForwardMode`` enum (is_extend, is_target_verify, ...)."""
+    return _forward_mode(sglang_pkg)

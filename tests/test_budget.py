@@ -1,0 +1,93 @@
+"""Budget preflight: both budgets fail early with the numbers and the key to change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hsextract import budget
+from hsextract.budget import BudgetError, bytes_per_token, max_in_flight, preflight
+
+GB = 10**9
+
+
+def test_bytes_per_token_matches_the_seed_scale() -> None:
+    # DeepSeek-V3: H=7168, 3 aux + final, bf16: ~57 KB/token -> ~5 TB for 87.8 M tokens.
+    assert bytes_per_token(7168, 3, "bfloat16") == 2 * 7168 * 4 + 4 + 1 == 57349
+    assert bytes_per_token(64, 3, "torch.float32") == 4 * 64 * 4 + 5
+    assert 5.0e12 < 87_800_000 * bytes_per_token(7168, 3, "bf16") < 5.1e12
+    with pytest.raises(BudgetError, match="model.dtype"):
+        bytes_per_token(64, 3, "int4")
+
+
+def _args(tmp_path: Path, **kw) -> dict:
+    args = dict(
+        total_tokens=87_800_000, max_len=8192, hidden_size=7168, n_aux=3, dtype="bfloat16",
+        output_root=tmp_path / "results", dump_dir=tmp_path / "shm" / "dump",
+        requests_in_flight=8, shm_budget_bytes=64 * GB,
+    )  # fmt: skip
+    args.update(kw)
+    return args
+
+
+def _patch_free(monkeypatch, free: dict[str, int]) -> list[Path]:
+    """Patch the module-level probe; free space is looked up by the path's last part."""
+    seen: list[Path] = []
+
+    def fake(path: Path) -> int:
+        seen.append(Path(path))
+        return free[Path(path).name]
+
+    monkeypatch.setattr(budget, "probe_free_bytes", fake)
+    return seen
+
+
+def test_preflight_passes_and_reports(tmp_path: Path, monkeypatch) -> None:
+    seen = _patch_free(monkeypatch, {"results": 6_000 * GB, "dump": 100 * GB})
+    r = preflight(**_args(tmp_path))
+    assert {p.name for p in seen} == {"results", "dump"}  # the probe really was used
+    assert r["bytes_per_token"] == 57349
+    assert r["dump_bytes_per_request"] == 8192 * (2 * 7168 * 4 + 8)
+    assert r["requests_that_fit_budget"] == 64 * GB // r["dump_bytes_per_request"]
+
+
+def test_output_budget_fails_with_numbers_and_key(tmp_path: Path, monkeypatch) -> None:
+    _patch_free(monkeypatch, {"results": 4_000 * GB, "dump": 100 * GB})
+    with pytest.raises(BudgetError) as e:
+        preflight(**_args(tmp_path))
+    msg = str(e.value)
+    assert "output_root" in msg and "87,800,000 tokens" in msg and "4.0 TB" in msg
+    assert "dump" not in msg.split("output:")[0]
+
+
+def test_shm_budget_fails_with_numbers_and_key(tmp_path: Path, monkeypatch) -> None:
+    _patch_free(monkeypatch, {"results": 6_000 * GB, "dump": 100 * GB})
+    with pytest.raises(BudgetError) as e:
+        preflight(**_args(tmp_path, shm_budget_bytes=2 * GB))  # one request is ~0.47 GB
+    msg = str(e.value)
+    assert "client.requests_in_flight to 4" in msg and "dump.shm_budget_gb" in msg
+    assert "output:" not in msg
+
+
+def test_dump_free_space_fails_even_within_budget(tmp_path: Path, monkeypatch) -> None:
+    _patch_free(monkeypatch, {"results": 6_000 * GB, "dump": 1 * GB})
+    with pytest.raises(BudgetError, match=r"has 1.0 GB free.*dump.dir"):
+        preflight(**_args(tmp_path))
+
+
+def test_explicit_probe_argument_wins(tmp_path: Path) -> None:
+    with pytest.raises(BudgetError, match="output_root"):
+        preflight(**_args(tmp_path), free_bytes=lambda p: 1)
+
+
+def test_real_probe_finds_an_existing_ancestor(tmp_path: Path) -> None:
+    assert budget.probe_free_bytes(tmp_path / "not" / "yet" / "there") > 0
+
+
+def test_max_in_flight() -> None:
+    per = 8192 * (2 * 7168 * 4 + 8)
+    assert max_in_flight(16 * GB, per) == 16 * GB // per == 34
+    assert max_in_flight(per - 1, per) == 1  # never 0: the preflight refuses that case
+    with pytest.raises(ValueError):
+        max_in_flight(GB, 0)

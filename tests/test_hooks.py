@@ -1,0 +1,282 @@
+"""Capture without patching (``capture: hooks``), run through SGLang's real hook registration,
+and a check that every SGLang name the patch and the hooks rely on exists in the pinned source."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import sys
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from fixtures_sglang import StandInModel, exec_defs, load_file_module
+from safetensors import safe_open
+from torch import nn
+
+from hsextract.capture import get_writer
+from hsextract.hooks import HOOK_FACTORY_PATH, HOOK_TARGET_MODULE, forward_hooks_spec
+
+H, L = 8, 8
+DEFAULT_LAYERS = [2, 4, 5]
+
+
+class Outer(nn.Module):
+    """Shaped like DeepseekV2ForCausalLM: the inner model is ``self.model`` and is called
+    with positional arguments, as 0.5.23 does."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.model = inner
+        self.config = inner.config
+        self.pp_group = inner.pp_group
+        self.capture_aux_hidden_states = False
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, fb: Any) -> Any:
+        return self.model(ids, pos, fb, None, None)
+
+
+@pytest.fixture
+def server(
+    sglang_pkg: Path, pristine_forward: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> Any:
+    """A stand-in server model: pristine forward, SGLang's own EAGLE-3 capture switched on by
+    the real ``set_eagle3_layers_to_capture``, our hook registered by the real
+    ``register_forward_hooks`` from the JSON we put on the command line."""
+    dump = tmp_path / "dump"
+    dump.mkdir(mode=0o700)
+    monkeypatch.setenv("SGLANG_HS_DUMP_DIR", str(dump))
+    monkeypatch.delenv("HSEXTRACT_AUX_LAYERS", raising=False)
+    rank = [0]
+    # dump_hook_factory imports sglang.srt.runtime_context.get_parallel inside the server.
+    for name in ("sglang", "sglang.srt"):
+        monkeypatch.setitem(sys.modules, name, ModuleType(name))
+    rc = ModuleType("sglang.srt.runtime_context")
+    rc.get_parallel = lambda: SimpleNamespace(tp_rank=rank[0])  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "sglang.srt.runtime_context", rc)
+
+    inner_cls = type("Inner", (StandInModel,), {"forward": pristine_forward.forward})
+    outer = Outer(inner_cls(L, H))
+    text = (sglang_pkg / "srt/models/deepseek_v2.py").read_text()
+    g = exec_defs(text, [("DeepseekV2ForCausalLM", "set_eagle3_layers_to_capture")], {})
+    set_layers = g["set_eagle3_layers_to_capture"]
+    hm = load_file_module(sglang_pkg / "srt/model_executor/hook_manager.py", "_pinned_hook_manager")
+    return SimpleNamespace(
+        outer=outer,
+        dump=dump,
+        rank=rank,
+        set_layers=set_layers,
+        hm=hm,
+        FM=pristine_forward.ForwardMode,
+    )
+
+
+def _register(server: Any, aux_layers: list[int] | None = None) -> None:
+    server.set_layers(server.outer, aux_layers)  # what --return-aux-hidden-state-layer-ids does
+    server.hm.register_forward_hooks(server.outer, json.loads(forward_hooks_spec(aux_layers)))
+
+
+def _run(server: Any, reqs: list[tuple[str, torch.Tensor, int, int]], mode: str = "EXTEND") -> Any:
+    ids = torch.cat([full[s : s + n] for _, full, s, n in reqs])
+    pos = torch.cat([torch.arange(s, s + n) for _, _, s, n in reqs])
+    fb = SimpleNamespace(
+        forward_mode=getattr(server.FM, mode),
+        rids=[r for r, *_ in reqs],
+        extend_prefix_lens_cpu=[s for _, _, s, _ in reqs],
+        extend_seq_lens_cpu=[n for *_, n in reqs],
+        can_run_tbo=False,
+    )
+    return server.outer(ids, pos, fb)
+
+
+def _pieces(dump: Path) -> dict[str, list[tuple[int, dict[str, torch.Tensor]]]]:
+    w = get_writer()
+    if w is not None:
+        w.flush()
+    out: dict[str, list[tuple[int, dict[str, torch.Tensor]]]] = {}
+    for f in sorted(dump.glob("*/*.safetensors")):
+        with safe_open(str(f), "pt") as so:
+            assert json.loads(so.metadata()["aux_layers"]) in (DEFAULT_LAYERS, [0, 3, 6])
+            out.setdefault(f.parent.name, []).append(
+                (int(f.stem), {k: so.get_tensor(k) for k in so.keys()})
+            )
+    return out
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _check(model: StandInModel, full: torch.Tensor, pieces: list, layers: list[int]) -> None:
+    pieces = sorted(pieces, key=lambda p: p[0])
+    starts = [s for s, _ in pieces]
+    ends = [s + t["input_ids"].shape[0] for s, t in pieces]
+    assert starts[0] == 0 and ends[-1] == len(full) and starts[1:] == ends[:-1]
+    final, entering = model.reference(full)
+    assert torch.equal(torch.cat([t["input_ids"] for _, t in pieces]), full)
+    torch.testing.assert_close(torch.cat([t["hidden_states"] for _, t in pieces]), final)
+    want_aux = torch.cat([entering[i] for i in layers], dim=-1)
+    torch.testing.assert_close(torch.cat([t["aux_hidden_states"] for _, t in pieces]), want_aux)
+
+
+def test_hook_batch_and_split_passes(server: Any) -> None:
+    _register(server)
+    assert server.outer.model.layers_to_capture == DEFAULT_LAYERS
+    a, b, c = _ids(10, 1), _ids(4, 2), _ids(3, 3)
+    _run(server, [("a", a, 0, 4), ("b", b, 0, 4)])
+    _run(server, [("c", c, 0, 3), ("a", a, 4, 6)])
+    got = _pieces(server.dump)
+    assert sorted(got) == ["a", "b", "c"]
+    assert sorted(s for s, _ in got["a"]) == [0, 4]
+    for rid, full in (("a", a), ("b", b), ("c", c)):
+        _check(server.outer.model, full, got[rid], DEFAULT_LAYERS)
+
+
+def test_hook_configured_layers(server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HSEXTRACT_AUX_LAYERS", "[0, 3, 6]")
+    _register(server, [0, 3, 6])
+    full = _ids(7, 4)
+    _run(server, [("d", full, 0, 7)])
+    _check(server.outer.model, full, _pieces(server.dump)["d"], [0, 3, 6])
+
+
+def test_hook_leaves_output_alone(server: Any, pristine_forward: Any) -> None:
+    server.set_layers(server.outer, None)
+    reqs = [("e", _ids(5, 5), 0, 5)]
+    before = _run(server, reqs)
+    _register(server)
+    after = _run(server, reqs)
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+
+
+@pytest.mark.parametrize("mode", ["DECODE", "IDLE"])
+def test_hook_non_extend_writes_nothing(server: Any, mode: str) -> None:
+    _register(server)
+    _run(server, [("f", _ids(6, 6), 5, 1)], mode)
+    assert _pieces(server.dump) == {}
+
+
+def test_hook_rank_other_than_zero_writes_nothing(server: Any) -> None:
+    _register(server)
+    server.rank[0] = 3
+    _run(server, [("g", _ids(4, 7), 0, 4)])
+    assert _pieces(server.dump) == {}
+
+
+def test_hook_refuses_a_server_capturing_other_layers(
+    server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HSEXTRACT_AUX_LAYERS", "[1, 3, 5]")
+    # SGLang 0.5.23 shifts an id list that starts with 1: [1, 3, 5] -> [2, 4, 6].
+    server.set_layers(server.outer, [1, 3, 5])
+    assert server.outer.model.layers_to_capture == [2, 4, 6]
+    server.hm.register_forward_hooks(server.outer, json.loads(forward_hooks_spec([1, 3, 5])))
+    with pytest.raises(RuntimeError, match=r"server captures layers \[2, 4, 6\]"):
+        _run(server, [("h", _ids(4, 8), 0, 4)])
+
+
+def test_hook_spec_shape() -> None:
+    spec = json.loads(forward_hooks_spec([2, 30, 58]))
+    assert spec == [
+        {
+            "name": "hsextract-dump",
+            "target_modules": [HOOK_TARGET_MODULE],
+            "hook_factory": HOOK_FACTORY_PATH,
+            "config": {"aux_layers": [2, 30, 58]},
+        }
+    ]
+
+
+# --- every SGLang name we read exists in the pinned source ------------------------------
+
+
+def _src(pkg: Path, rel: str) -> str:
+    return (pkg / rel).read_text()
+
+
+def _class(tree: ast.Module, name: str) -> ast.ClassDef:
+    return next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == name)
+
+
+def _method(cls: ast.ClassDef, name: str) -> ast.FunctionDef:
+    return next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def _self_attrs(cls: ast.ClassDef) -> set[str]:
+    out = set()
+    for n in ast.walk(cls):
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self":
+            if isinstance(n.ctx, ast.Store):
+                out.add(n.attr)
+    return out
+
+
+def test_sglang_names_we_read_exist(sglang_pkg: Path) -> None:
+    dsv2 = _src(sglang_pkg, "srt/models/deepseek_v2.py")
+    tree = ast.parse(dsv2)
+
+    # ForwardBatch fields and ForwardMode methods (patch + hook read them).
+    fbi = ast.parse(_src(sglang_pkg, "srt/model_executor/forward_batch_info.py"))
+    fb_fields = {
+        n.target.id
+        for n in _class(fbi, "ForwardBatch").body
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+    }
+    assert {"forward_mode", "rids", "extend_prefix_lens_cpu", "extend_seq_lens_cpu"} <= fb_fields
+    fm = {n.name for n in _class(fbi, "ForwardMode").body if isinstance(n, ast.FunctionDef)}
+    assert {"is_extend", "is_target_verify", "is_idle"} <= fm
+
+    # DeepseekV2Model attributes read by begin_forward / the hook.
+    model = _class(tree, "DeepseekV2Model")
+    attrs = _self_attrs(model)
+    assert {"config", "pp_group", "layers_to_capture", "start_layer", "end_layer", "norm"} <= attrs
+    assert "self.pp_group.is_last_rank" in dsv2
+    fwd = _method(model, "forward")
+    assert [a.arg for a in fwd.args.args][:4] == ["self", "input_ids", "positions", "forward_batch"]
+    fwd_src = ast.get_source_segment(dsv2, fwd) or ""
+    assert "return hidden_states, aux_hidden_states.finalize()" in fwd_src
+
+    # The collector slot: the layer takes it, the attention stage calls .capture(value, owned=).
+    layer_fwd = _method(_class(tree, "DeepseekV2DecoderLayer"), "forward")
+    assert "captured_last_layer_outputs" in [a.arg for a in layer_fwd.args.args]
+    assert "capture_gathered=captured_last_layer_outputs" in (
+        ast.get_source_segment(dsv2, layer_fwd) or ""
+    )
+    stage = _src(sglang_pkg, "srt/layers/layer_boundary/stage.py")
+    assert re.search(r"capture_gathered\.capture\(\s*gathered_last_layer_output,\s*owned=", stage)
+
+    # The TP rank: get_parallel() is imported by deepseek_v2 and declares tp_rank.
+    assert re.search(r"from sglang\.srt\.runtime_context import \([^)]*\bget_parallel,", dsv2)
+    rc = _src(sglang_pkg, "srt/runtime_context.py")
+    assert "def get_parallel() -> ParallelContext:" in rc
+    assert re.search(
+        r"^\s+tp_rank = Derived\(", _src(sglang_pkg, "srt/arg_groups/fields/parallel.py"), re.M
+    )
+
+    # The hook target: the inner model is `self.model`, called with positional args only.
+    causal = _class(tree, "DeepseekV2ForCausalLM")
+    assert "model" in _self_attrs(causal)
+    call = next(
+        n
+        for n in ast.walk(_method(causal, "forward"))
+        if isinstance(n, ast.Call) and ast.unparse(n.func) == "self.model"
+    )
+    assert [ast.unparse(a) for a in call.args] == [
+        "input_ids", "positions", "forward_batch", "input_embeds", "pp_proxy_tensors"
+    ] and not call.keywords  # fmt: skip
+    # EAGLE-3 default layers and the shift of lists starting with 1.
+    eagle = ast.get_source_segment(dsv2, _method(causal, "set_eagle3_layers_to_capture")) or ""
+    assert "[2, num_layers // 2, num_layers - 3]" in eagle
+    assert "layer_ids[0] == 1" in eagle and "[val + 1 for val in layer_ids]" in eagle
+
+    # --forward-hooks: spec keys, factory(config), plain register_forward_hook, after graphs.
+    hm = _src(sglang_pkg, "srt/model_executor/hook_manager.py")
+    for key in ('"name"', '"target_modules"', '"hook_factory"', '"config"'):
+        assert f"spec.get({key}" in hm
+    assert "hook_factory(config)" in hm and "module.register_forward_hook(hook)" in hm
+    assert 'if ":" in path:' in hm  # "module:attr" paths resolve
+    setup = _src(sglang_pkg, "srt/model_executor/model_runner_components/cuda_graph_setup.py")
+    assert "Register forward hooks AFTER cuda-graph capture" in setup

@@ -1,0 +1,167 @@
+"""Server lifetime: start, early death, health timeout, ensure/relaunch, watchdog, dump dir."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from hsextract import server
+from hsextract.server import ServerError, ServerSpec
+
+# A minimal process that speaks /health and /get_model_info: the lifecycle code must not
+# care which engine it manages.  (The reference engine itself is exercised end to end in
+# test_workflow.py and test_fidelity.py.)
+HEALTH_SERVER = """
+import http.server, json, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b"ok" if self.path == "/health" else json.dumps({"engine": "stub"}).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body)))
+        self.end_headers(); self.wfile.write(body)
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[2])), H).serve_forever()
+"""
+
+
+def spec_for(tmp_path: Path, argv: list[str], *, port: int = 0, timeout: float = 20) -> ServerSpec:
+    return ServerSpec(
+        engine="stub",
+        argv=argv,
+        env={},
+        host="127.0.0.1",
+        port=port,
+        log_path=str(tmp_path / "server.log"),
+        fingerprint="fp-test",
+        dump_dir=str(tmp_path / "dump"),
+        health_timeout_s=timeout,
+        extra={"port_auto": True},
+    )
+
+
+def health_spec(tmp_path: Path) -> ServerSpec:
+    port = server.free_port()
+    return spec_for(tmp_path, [sys.executable, "-c", HEALTH_SERVER, "--port", str(port)], port=port)
+
+
+def wait_dead(pid: int, timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not server.pid_alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_early_death_reports_exit_code_and_log_tail(tmp_path):
+    code = "import sys; print('CUDA out of memory, tried to allocate', flush=True); sys.exit(3)"
+    spec = spec_for(tmp_path, [sys.executable, "-c", code, "--port", "1"])
+    with pytest.raises(ServerError) as exc:
+        server.start(spec, owner=os.getpid())
+    assert "code 3" in str(exc.value) and "CUDA out of memory" in str(exc.value)
+    assert "server.log" in str(exc.value)
+
+
+def test_health_timeout_stops_the_process(tmp_path):
+    spec = spec_for(tmp_path, [sys.executable, "-c", "import time; time.sleep(60)", "--port", "1"],
+                    timeout=1.0)  # fmt: skip
+    with pytest.raises(ServerError, match="health_timeout_s"):
+        server.start(spec, owner=os.getpid())
+    out = subprocess.run(["pgrep", "-f", "time.sleep\\(60\\)"], capture_output=True, text=True)
+    assert out.stdout.strip() == "", "the unhealthy server was left running"
+
+
+def test_stop_kills_the_whole_process_group(tmp_path):
+    # A server that forks a worker, like SGLang's TP ranks: the worker must go too.
+    code = (
+        "import subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n" + HEALTH_SERVER
+    )
+    port = server.free_port()
+    spec = spec_for(tmp_path, [sys.executable, "-c", code, "--port", str(port)], port=port)
+    state = server.start(spec, owner=os.getpid())
+    time.sleep(0.3)
+    members = subprocess.run(["pgrep", "-g", str(state["pgid"])], capture_output=True, text=True)
+    assert len(members.stdout.split()) >= 2
+    server.stop(state)
+    assert not server._group_alive(state["pgid"])
+
+
+def test_watchdog_stops_server_when_owner_dies(tmp_path):
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    state = server.start(health_spec(tmp_path), owner=owner.pid)
+    assert server.health(state["url"])
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    assert wait_dead(state["pid"]), "watchdog did not stop the orphaned server"
+    assert wait_dead(state["watchdog_pid"])
+
+
+def test_ensure_reuses_a_live_server_and_relaunches_a_dead_one(tmp_path, monkeypatch):
+    monkeypatch.setenv(server.OWNER_ENV, str(os.getpid()))
+    spec = health_spec(tmp_path)
+    state_dir = tmp_path / "state"
+    first = server.start(spec)
+    server.write_json(state_dir / "server.json", first)
+    server.write_json(server.live_path(state_dir), first)
+    gates = []
+    try:
+        again = server.ensure(state_dir / "server.json", gate=lambda: gates.append(1))
+        assert again["pid"] == first["pid"] and gates == []
+        os.killpg(first["pgid"], signal.SIGKILL)
+        wait_dead(first["pid"])
+        relaunched = server.ensure(state_dir / "server.json", gate=lambda: gates.append(1))
+        assert relaunched["pid"] != first["pid"] and gates == [1]
+        assert server.health(relaunched["url"])
+        # The recorded launch is never rewritten: finished chunks stay up to date.
+        assert server.read_json(state_dir / "server.json")["pid"] == first["pid"]
+    finally:
+        server.stop_live(state_dir)
+        server.stop(first)
+
+
+def test_ensure_refuses_a_server_of_another_run(tmp_path, monkeypatch):
+    monkeypatch.setenv(server.OWNER_ENV, str(os.getpid()))
+    state_dir = tmp_path / "state"
+    first = server.start(health_spec(tmp_path))
+    try:
+        server.write_json(state_dir / "server.json", first)
+        other = dict(first, spec={**first["spec"], "fingerprint": "another-run"})
+        server.write_json(server.live_path(state_dir), other)
+        state = server.ensure(state_dir / "server.json")
+        assert state["pid"] != first["pid"]  # not reused: it serves a different fingerprint
+    finally:
+        server.stop_live(state_dir)
+        server.stop(first)
+
+
+def test_dump_dir_is_created_private(tmp_path):
+    d = server.prepare_dump_dir(tmp_path / "dump")
+    assert (d.stat().st_mode & 0o777) == 0o700
+
+
+def test_dump_dir_symlink_refused(tmp_path):
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (tmp_path / "dump").symlink_to(target)
+    with pytest.raises(ServerError, match="symlink"):
+        server.prepare_dump_dir(tmp_path / "dump")
+
+
+def test_dump_dir_owned_by_another_user_refused(tmp_path):
+    d = tmp_path / "dump"
+    d.mkdir()
+    os.chown(d, 12345, 12345)
+    with pytest.raises(ServerError, match="owned by uid 12345"):
+        server.prepare_dump_dir(d)
+
+
+def test_spec_roundtrips_through_json(tmp_path):
+    spec = health_spec(tmp_path)
+    assert ServerSpec(**asdict(spec)) == spec
