@@ -4,8 +4,8 @@ from pathlib import Path
 
 from snakemake.utils import validate
 
-from hsextract.config import check_semantics, fingerprint, run_dir
-from hsextract.server import OWNER_ENV, pid_alive, stop_live
+from hsextract.config import check_semantics, dump_dir, fingerprint, run_dir
+from hsextract.server import OWNER_ENV, pid_alive, remove_dump_dir_if_empty, stop_live
 
 validate(config, schema="../schemas/config.schema.yaml", set_default=True)
 check_semantics(config)
@@ -49,3 +49,4 @@ def model_config_file():
 def stop_servers():
     if stop_live(RUN / "state"):
         print(f"hsextract: stopped the extraction server of {RUN}")
+    remove_dump_dir_if_empty(dump_dir(config))

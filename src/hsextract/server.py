@@ -394,3 +394,20 @@ def build_spec(cfg: dict, *, run_dir: Path, log_path: Path) -> ServerSpec:
         api_key_env=api_key_env,
         extra={"port_auto": port_auto, "run_dir": str(run_dir)},
     )
+
+
+def remove_dump_dir_if_empty(path: Path) -> bool:
+    """Drop our dump dir when nothing but its marker is left: /dev/shm is RAM."""
+    from hsextract.config import RUN_MARKER
+
+    path = Path(path)
+    if path.is_symlink() or not path.is_dir() or path.stat().st_uid != os.getuid():
+        return False
+    if {p.name for p in path.iterdir()} - {RUN_MARKER}:
+        return False
+    (path / RUN_MARKER).unlink(missing_ok=True)
+    try:
+        path.rmdir()
+    except OSError:
+        return False
+    return True

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -170,7 +171,11 @@ def _installed_sglang_root(cfg: dict) -> Path:
     from hsextract.errors import HsextractError
 
     python = cfg.get("sglang", {}).get("python", "python3")
-    code = "import os, sglang; print(os.path.dirname(sglang.__file__))"
+    # find_spec, not import: importing sglang would initialise CUDA libraries for nothing.
+    code = (
+        "import importlib.util as u; s = u.find_spec('sglang'); "
+        "print(s.submodule_search_locations[0])"
+    )
     proc = subprocess.run([python, "-c", code], capture_output=True, text=True)
     if proc.returncode != 0:
         raise HsextractError(
@@ -240,6 +245,11 @@ def extract_chunk(sm: Any) -> None:
         ensure=ensure,
     )
     log.info("chunk done: %s", json.dumps(sidecar))
+    # The log holds the progress bar; the terminal gets one line per finished chunk.
+    sys.__stderr__.write(
+        f"hsextract [{sidecar['chunk']}]: {sidecar['records']} records, {sidecar['tokens']} "
+        f"tokens in {sidecar['seconds']:.1f}s ({sidecar['tokens_per_s']:.0f} tok/s)\n"
+    )
 
 
 def manifest(sm: Any) -> None:

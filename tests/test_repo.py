@@ -1,0 +1,84 @@
+"""The README's commands are the ones that run: CI's, the production config's dry run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fixtures_demo import REPO, planned_jobs, snakemake_cmd
+
+
+def readme_commands() -> list[str]:
+    lines = (REPO / "README.md").read_text().splitlines()
+    return [line for line in lines[:20] if line.startswith("python3 -m venv")]
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    demo_cmd, test_cmd = readme_commands()
+    assert demo_cmd.endswith("snakemake -j1 extract_all")
+    assert "pytest" in test_cmd
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    assert test_cmd in ci, ".ci/run must run the README's test command exactly as written"
+
+
+@pytest.fixture
+def production_like(tmp_path: Path) -> dict:
+    """Inputs and a DeepSeek-V3-shaped config.json (no weights): all a dry run may read."""
+    from transformers import DeepseekV3Config
+
+    model = tmp_path / "DeepSeek-V3"
+    model.mkdir()
+    DeepseekV3Config().to_json_file(model / "config.json")  # 61 layers, hidden 7168
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for i in range(3):
+        (shards / f"part-{i}.jsonl").write_text('{"input_ids": [1, 2], "loss_mask": [0, 1]}\n')
+    return {"model": model, "inputs": str(shards / "*.jsonl"), "out": tmp_path / "out"}
+
+
+def test_production_config_plans_every_chunk_without_gpu(production_like, tmp_path):
+    p = production_like
+    model = json.dumps({"path": str(p["model"]), "dtype": "bfloat16", "revision": "t"})
+    cmd = snakemake_cmd(
+        tmp_path,
+        "-n", "extract_all",
+        "--configfile", str(REPO / "configs" / "deepseek-v3-8xh200.yaml"),
+        "--config", f"inputs={json.dumps([p['inputs']])}", f"output_root={p['out']}",
+        f"model={model}",
+    )  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    jobs = planned_jobs(proc.stdout)
+    assert jobs["extract_chunk"] == 512
+    assert "demo_model" not in jobs and "launch_server" in jobs and "apply_patch" in jobs
+    assert not p["out"].exists()
+
+
+def test_production_server_command_prints_env_and_argv():
+    out = subprocess.run(
+        [sys.executable, "-m", "hsextract.cli", "server", "command",
+         "--configfile", str(REPO / "configs" / "deepseek-v3-8xh200.yaml")],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "export SGLANG_HS_DUMP_DIR=" in out
+    assert "export SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1" in out
+    argv = out.strip().splitlines()[-1]
+    for flag in ("-m sglang.launch_server", "--disable-radix-cache", "--tp-size 8",
+                 "--cuda-graph-backend-prefill disabled", "--cuda-graph-backend-decode disabled",
+                 "--host 127.0.0.1", "--context-length 8199"):  # fmt: skip
+        assert flag in argv, flag
+    assert "--disable-cuda-graph" not in argv and "--tp " not in argv
+
+
+def test_missing_inputs_fail_the_plan_with_the_config_key(tmp_path):
+    from fixtures_demo import make_workdir
+
+    workdir = make_workdir(tmp_path / "w", **{"demo.enabled": False, "inputs": ["nowhere/*.jsonl"]})
+    proc = subprocess.run(
+        snakemake_cmd(workdir, "-n", "extract_all"), capture_output=True, text=True
+    )
+    assert proc.returncode != 0
+    assert "nowhere/*.jsonl" in proc.stdout + proc.stderr and "inputs" in proc.stdout + proc.stderr
