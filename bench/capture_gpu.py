@@ -521,7 +521,8 @@ def main() -> None:
         "--chunk-sweep",
         type=str,
         default="",
-        help="also time these D2H chunk sizes (MiB, 0 = one copy), 2 off/on pairs each",
+        help="also time these D2H settings, CHUNK_MiBxINFLIGHT, 2 off/on pairs each "
+        "(0x0: one copy per tensor, all queued at once; e.g. 0x0,16x0,16x2)",
     )
     ap.add_argument("--passes", type=int, default=None, help="passes per timed block")
     ap.add_argument("--reps", type=int, default=None, help="off/on block pairs")
@@ -606,21 +607,23 @@ def main() -> None:
             f"{on[-1]['tok_s_with_drain']:,.0f} incl. final drain)"
         )
     sweep = {}
-    for mb in [int(x) for x in a.chunk_sweep.split(",") if x]:
-        writer.d2h_chunk_bytes = mb << 20
-        pairs = []
+    for spec in [x for x in a.chunk_sweep.split(",") if x]:
+        mb, inflight = (int(v) for v in spec.split("x"))
+        writer.d2h_chunk_bytes, writer.d2h_inflight = mb << 20, inflight
+        pairs, toks = [], []
         for r in range(2):
-            o = run_block(work, packer, None, passes, 100 + r, f"soff{mb}-{r}", handed)
-            n = run_block(work, packer, writer, passes, 100 + r, f"son{mb}-{r}", handed)
+            o = run_block(work, packer, None, passes, 100 + r, f"soff{spec}-{r}", handed)
+            n = run_block(work, packer, writer, passes, 100 + r, f"son{spec}-{r}", handed)
             cons.idle()
             pairs += [f / g for f, g in zip(o["pass_ms"], n["pass_ms"], strict=True)]
-            pairs_tok = (o["tok_s"], n["tok_s"])
-        sweep[mb] = statistics.median(pairs)
+            toks.append(n["tok_s"] / o["tok_s"])
+        sweep[spec] = {"paired": statistics.median(pairs), "throughput": statistics.median(toks)}
         print(
-            f"d2h chunk {mb} MiB: pass-by-pass off/on time ratio, median {sweep[mb]:.3f} "
-            f"(last pair: {pairs_tok[1] / pairs_tok[0]:.3f} by throughput)"
+            f"d2h {mb} MiB chunks, {inflight or 'all'} queued: pass-by-pass off/on time ratio, "
+            f"median {sweep[spec]['paired']:.3f}; by throughput {sweep[spec]['throughput']:.3f}"
         )
     writer.d2h_chunk_bytes = capture.DEFAULT_D2H_CHUNK_MB << 20
+    writer.d2h_inflight = getattr(capture, "DEFAULT_D2H_INFLIGHT", 0)
     work.reset()
     writer.close()
     cons.stop.set()
@@ -674,6 +677,7 @@ def main() -> None:
         "uniform": a.uniform,
         "d2h_chunk_sweep": sweep,
         "d2h_chunk_mb": capture.DEFAULT_D2H_CHUNK_MB,
+        "d2h_inflight": getattr(capture, "DEFAULT_D2H_INFLIGHT", 0),
         "forward_ms": fwd_ms,
         "on_pass_ms": on_ms,
         "achieved_dump_GBps": achieved,

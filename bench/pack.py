@@ -86,13 +86,16 @@ def write_pieces(dump_dir: Path, records: list[list[int]], rids: list[str], pref
                 left -= n
             total = sum(lens)
             ids = torch.cat(
-                [torch.tensor(records[j][s : s + n]) for j, s, n in zip(batch, starts, lens)]
+                [
+                    torch.tensor(records[j][s : s + n])
+                    for j, s, n in zip(batch, starts, lens, strict=True)
+                ]
             )
             # Values differ by pass offset, so records are not all alike.
             rot, n_pass = (n_pass * 97) % prefill, n_pass + 1
             hidden, *aux = (torch.roll(p, rot, 0)[:total] for p in pool)
             writer.write_batch([rids[j] for j in batch], starts, lens, ids, hidden, aux, AUX)
-            for j, n in zip(batch, lens):
+            for j, n in zip(batch, lens, strict=True):
                 done[j] += n
             running = [j for j in running if done[j] < len(records[j])]
     finally:
@@ -111,9 +114,7 @@ def settle() -> bool:
         return False
 
 
-def pack(
-    dump_dir: Path, out: Path, records: list[list[int]], rids: list[str], threads: int
-) -> str:
+def pack(dump_dir: Path, out: Path, records: list[list[int]], rids: list[str], threads: int) -> str:
     """The client's packing path for one chunk (extract_chunk minus HTTP)."""
     geo = Geometry(hidden_size=H, num_layers=61, aux_layers=AUX, dtype=DTYPE)
     meta = {
@@ -173,7 +174,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=8, help="client.requests_in_flight")
     ap.add_argument("--disk-dir", default="/tmp", help="where the chunk file and cp go")
     ap.add_argument("--shm-dir", default="/dev/shm")
-    ap.add_argument("--profile", action="store_true", help="cProfile the first pack trial (run inline, one thread)")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="cProfile the first pack trial (run inline, one thread)",
+    )
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
 
@@ -222,7 +227,8 @@ def main() -> None:
                     # Spot check: a record's bytes came through unchanged.
                     r = ChunkReader(out)[len(records) // 2]
                     assert r["input_ids"].tolist() == records[len(records) // 2]
-                print(f"trial {trial} {side:>4}: {t:6.2f} s  {nbytes / t / 1e9:5.2f} GB/s", flush=True)
+                rate = nbytes / t / 1e9
+                print(f"trial {trial} {side:>4}: {t:6.2f} s  {rate:5.2f} GB/s", flush=True)
         med = {k: statistics.median(v) for k, v in res.items()}
         size = (disk / "chunk_00000.safetensors").stat().st_size
         print(
@@ -233,12 +239,15 @@ def main() -> None:
         )
         print(f"page cache dropped before each side: {'yes' if dropped else 'NO (not allowed)'}")
         print(f"chunk sha256: {sorted(shas)}")
-        print(f"pack (read+assemble+put+finish): median {med['pack']:.2f} s, "
-              f"{nbytes / med['pack'] / 1e9:.2f} GB/s  ({', '.join(f'{t:.2f}' for t in res['pack'])})")
-        print(f"cp -r + sync -f:                 median {med['cp']:.2f} s, "
-              f"{nbytes / med['cp'] / 1e9:.2f} GB/s  ({', '.join(f'{t:.2f}' for t in res['cp'])})")
-        print(f"cp -r alone (page cache):        median {med['cp_nosync']:.2f} s, "
-              f"{nbytes / med['cp_nosync'] / 1e9:.2f} GB/s")
+        for key, what in (
+            ("pack", "pack (read+assemble+put+finish)"),
+            ("cp", "cp -r + sync -f"),
+            ("cp_nosync", "cp -r alone (page cache)"),
+        ):
+            runs = ", ".join(f"{t:.2f}" for t in res[key])
+            print(
+                f"{what:<32} median {med[key]:.2f} s, {nbytes / med[key] / 1e9:.2f} GB/s ({runs})"
+            )
         print(f"pack/cp throughput ratio: {med['cp'] / med['pack']:.2f}")
     finally:
         shutil.rmtree(shm, ignore_errors=True)

@@ -7,6 +7,7 @@ same code, so they are tested here.  bench/capture_gpu.py checks the CUDA path's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -384,17 +385,19 @@ def test_inference_mode_and_grad_callers_mix(dump: Path) -> None:
     w.close()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("chunk_mb", [0, 1])
+@pytest.mark.gpu  # run on a GPU machine: pytest -m gpu (deselected by default)
+@pytest.mark.parametrize("chunk_mb, inflight", [(0, 0), (1, 0), (1, 1), (1, 3)])
 def test_cuda_path_copies_before_the_forward_stream_reuses_its_memory(
-    dump: Path, chunk_mb: int
+    dump: Path, chunk_mb: int, inflight: int
 ) -> None:
     """On a non-default forward stream, the caller trashes and frees its tensors at once."""
     dev = torch.device("cuda")
-    w = DumpWriter(dump, LAYERS, slots=2, threads=2, d2h_chunk_mb=chunk_mb)
+    w = DumpWriter(dump, LAYERS, slots=2, threads=2, d2h_chunk_mb=chunk_mb, d2h_inflight=inflight)
     fwd = torch.cuda.Stream()
     want = []
-    with torch.cuda.stream(fwd):
+    # SGLang runs its forward under inference mode (grad mode is per thread).
+    infer = torch.inference_mode() if inflight else contextlib.nullcontext()
+    with torch.cuda.stream(fwd), infer:
         for i in range(6):
             total = 4096
             ids = torch.randint(0, 50_000, (total,), device=dev)

@@ -18,10 +18,11 @@ forward.  So ``write_batch`` only *hands over* the batch and returns:
 1. on the caller's (forward) stream it snapshots the captured tensors into fresh device
    memory (a device-to-device copy, ~0.2 ms for 470 MB), so the caller may overwrite or
    free its own buffers as soon as we return, without waiting for anything;
-2. a side stream waits on an event recorded after that snapshot and copies it into a
-   pinned host buffer taken from a bounded pool (~8.5 ms at ~55 GB/s, overlapped with the
-   next forward);
-3. writer threads wait for the copy's event and write each request's rows straight from
+2. a copier thread makes a side stream wait on an event recorded after that snapshot and
+   copies it into a pinned host buffer taken from a bounded pool (~8.5 ms at ~55 GB/s,
+   overlapped with the next forward), a few 16 MiB chunks at a time so that the forward's
+   own small device-to-host copies never queue behind a whole pass (``_copier``);
+3. writer threads take each completed pass and write each request's rows straight from
    the pinned buffer to a temporary file (the safetensors layout is serialised here, so
    the rows are written without another host copy), then rename it.
 
@@ -35,6 +36,7 @@ copy into the (unpinned) pool buffer.
 from __future__ import annotations
 
 import atexit
+import collections
 import ctypes
 import json
 import os
@@ -53,13 +55,16 @@ AUX_LAYERS_ENV = "HSEXTRACT_AUX_LAYERS"
 SLOTS_ENV = "HSEXTRACT_CAPTURE_SLOTS"
 #: Number of writer threads; pieces of different requests and passes are written in parallel.
 THREADS_ENV = "HSEXTRACT_CAPTURE_THREADS"
-#: Size of each device-to-host copy, in MiB (0: one copy per tensor); see ``_copy_chunked``.
+#: Size of each device-to-host copy, in MiB (0: one copy per tensor); see ``_copier``.
 D2H_CHUNK_ENV = "HSEXTRACT_CAPTURE_D2H_CHUNK_MB"
+#: Most D2H chunks queued on the GPU at once (0: all of a pass at once); see ``_copier``.
+D2H_INFLIGHT_ENV = "HSEXTRACT_CAPTURE_D2H_INFLIGHT"
 PIECE_SUFFIX = ".safetensors"
 
 DEFAULT_SLOTS = 4
 DEFAULT_THREADS = 4
 DEFAULT_D2H_CHUNK_MB = 16
+DEFAULT_D2H_INFLIGHT = 2
 
 _ALIGN = 64  # region alignment inside a staging buffer (dtype views need element alignment)
 _MIN_CAPACITY = 1 << 20
@@ -154,8 +159,7 @@ class _Batch:
 
     __slots__ = (
         "slot",
-        "done",
-        "device",
+        "failed",
         "remaining",
         "dtype_name",
         "hidden_size",
@@ -169,8 +173,7 @@ class _Batch:
 
     def __init__(self, slot: _Slot, remaining: int) -> None:
         self.slot = slot
-        self.done: torch.cuda.Event | None = None
-        self.device: torch.device | None = None
+        self.failed = False  # the D2H copy failed: pieces are only accounted for, not written
         self.remaining = remaining
         self.dtype_name = ""
         self.hidden_size = 0
@@ -198,6 +201,7 @@ class DumpWriter:
         slots: int | None = None,
         threads: int | None = None,
         d2h_chunk_mb: int | None = None,
+        d2h_inflight: int | None = None,
     ):
         self.dump_dir = Path(dump_dir)
         if self.dump_dir.is_symlink() or not self.dump_dir.is_dir():
@@ -214,6 +218,12 @@ class DumpWriter:
         if d2h_chunk_mb < 0:
             raise ValueError(f"d2h_chunk_mb={d2h_chunk_mb} must be >= 0")
         self.d2h_chunk_bytes = d2h_chunk_mb << 20
+        if d2h_inflight is None:
+            raw = os.environ.get(D2H_INFLIGHT_ENV)
+            d2h_inflight = int(raw) if raw else DEFAULT_D2H_INFLIGHT
+        if d2h_inflight < 0:
+            raise ValueError(f"d2h_inflight={d2h_inflight} must be >= 0")
+        self.d2h_inflight = d2h_inflight
         if self.slots < 1 or self.threads < 1:
             raise ValueError(f"slots={self.slots} and threads={self.threads} must be >= 1")
         self._dir = str(self.dump_dir)
@@ -225,6 +235,7 @@ class DumpWriter:
         self._tasks: queue.SimpleQueue[tuple[_Batch, str, int, int, int] | None] = (
             queue.SimpleQueue()
         )
+        self._copies: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
         self._submit_lock = threading.Lock()
         self._cv = threading.Condition()
@@ -307,6 +318,7 @@ class DumpWriter:
             self._ensure_workers()
             slot = self._acquire_slot()
             batch = _Batch(slot, len(pieces))
+            copy_job = None
             try:
                 slot.ensure(nbytes, pinned=on_cuda)
                 ids_v = slot.region(0, total * 8, torch.int64, (total,))
@@ -315,8 +327,7 @@ class DumpWriter:
                 aux_nb = total * aux_width * elem
                 aux_v = slot.region(off_aux, aux_nb, hidden.dtype, (total, aux_width))
                 if on_cuda:
-                    batch.done = self._stage_cuda(input_ids, hidden, aux, ids_v, hid_v, aux_v)
-                    batch.device = hidden.device
+                    copy_job = self._stage_cuda(input_ids, hidden, aux, ids_v, hid_v, aux_v)
                 else:
                     self._stage_cpu(input_ids, hidden, aux, ids_v, hid_v, aux_v)
             except BaseException:
@@ -331,8 +342,11 @@ class DumpWriter:
             batch.layers_json = json.dumps(layers)
             with self._cv:
                 self._pending += len(pieces)
-            for rid, start, row0, n in pieces:
-                self._tasks.put((batch, rid, start, row0, n))
+            if copy_job is not None:
+                self._copies.put((batch, pieces, copy_job))
+            else:
+                for rid, start, row0, n in pieces:
+                    self._tasks.put((batch, rid, start, row0, n))
 
     def flush(self) -> None:
         """Block until every piece handed over so far is renamed into place, or has failed.
@@ -388,40 +402,29 @@ class DumpWriter:
         ids_v: torch.Tensor,
         hid_v: torch.Tensor,
         aux_v: torch.Tensor,
-    ) -> torch.cuda.Event:
-        """Snapshot on the caller's stream; D2H into pinned memory on a side stream."""
+    ) -> tuple[torch.device, torch.cuda.Event, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Snapshot on the caller's stream; return the D2H copies for the copier thread."""
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("hidden-state capture cannot run inside CUDA graph capture")
         device = hidden.device
         total = hid_v.shape[0]
         with torch.cuda.device(device):
-            main = torch.cuda.current_stream(device)
-            # Fresh device tensors, ordered on ``main`` before whatever the caller does next:
-            # the caller may overwrite its buffers once we return; only we touch these.
-            snaps = [hidden.detach().clone(memory_format=torch.contiguous_format)]
+            # Fresh device tensors, ordered on the caller's stream before whatever it does
+            # next: it may overwrite its buffers once we return; only we touch these.  The
+            # copier holds them until their copies are complete, then drops them.
+            copies = _chunks(
+                hid_v, hidden.detach().clone(memory_format=torch.contiguous_format), self
+            )
             if aux:
-                snaps.append(torch.cat([a.detach().reshape(total, -1) for a in aux], dim=1))
-            ids_cuda = input_ids.is_cuda
-            if ids_cuda:
-                snaps.append(input_ids.detach().reshape(-1).to(torch.int64, copy=True))
-            ready = torch.cuda.Event()
-            ready.record(main)
-            side = self._side_stream(device)
-            side.wait_event(ready)
-            with torch.cuda.stream(side):
-                _copy_chunked(hid_v, snaps[0], self.d2h_chunk_bytes)
-                if aux:
-                    _copy_chunked(aux_v, snaps[1], self.d2h_chunk_bytes)
-                if ids_cuda:
-                    ids_v.copy_(snaps[-1], non_blocking=True)
-            for t in snaps:
-                # The allocator must not hand this memory to ``main`` until ``side`` is done.
-                t.record_stream(side)
-            if not ids_cuda:
+                snap = torch.cat([a.detach().reshape(total, -1) for a in aux], dim=1)
+                copies += _chunks(aux_v, snap, self)
+            if input_ids.is_cuda:
+                copies.append((ids_v, input_ids.detach().reshape(-1).to(torch.int64, copy=True)))
+            else:
                 ids_v.copy_(input_ids.detach().reshape(-1))
-            done = torch.cuda.Event(blocking=True)  # writer threads sleep, not spin, on it
-            done.record(side)
-        return done
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
+        return device, ready, copies
 
     @staticmethod
     def _stage_cpu(
@@ -444,6 +447,9 @@ class DumpWriter:
             raise RuntimeError("DumpWriter used across fork; create it in the child (get_writer)")
         if self._workers:
             return
+        t = threading.Thread(target=self._copier, name="hsextract-d2h", daemon=True)
+        t.start()
+        self._workers.append(t)
         for i in range(self.threads):
             t = threading.Thread(target=self._worker, name=f"hsextract-dump-{i}", daemon=True)
             t.start()
@@ -452,11 +458,64 @@ class DumpWriter:
     def _stop_workers(self) -> None:
         if self._pid != os.getpid():
             return
-        for _ in self._workers:
+        self._copies.put(None)
+        for _ in self._workers[1:]:
             self._tasks.put(None)
         for t in self._workers:
             t.join()
         self._workers = []
+
+    def _copier(self) -> None:
+        """Issue each pass's D2H copies on a side stream, a few chunks at a time.
+
+        Why paced: device-to-host copies from every stream go through the same copy
+        engine.  Were a whole pass (~470 MB, ~8.5 ms) queued at once, the forward's own
+        small D2H at the end of the next step (sampling's ``.tolist()``) would wait behind
+        it, stalling the whole TP group.  With at most ``d2h_inflight`` chunks of
+        ``d2h_chunk_mb`` queued, it waits for at most that much (~0.6 ms at the defaults).
+        The pass's pieces go to the writer threads once all its copies have completed.
+        """
+        while True:
+            job = self._copies.get()
+            if job is None:
+                return
+            batch, pieces, (device, ready, copies) = job
+            side: torch.cuda.Stream | None = None
+            try:
+                # inference_mode: the staging views may have been made under the caller's
+                # inference mode, and grad mode is per thread.
+                with torch.cuda.device(device), torch.inference_mode():
+                    side = self._side_stream(device)
+                    side.wait_event(ready)
+                    queued: collections.deque[torch.cuda.Event] = collections.deque()
+                    with torch.cuda.stream(side):
+                        for dst, src in copies:
+                            dst.copy_(src, non_blocking=True)
+                            if self.d2h_inflight:
+                                ev = torch.cuda.Event(blocking=True)
+                                ev.record(side)
+                                queued.append(ev)
+                                if len(queued) >= self.d2h_inflight:
+                                    queued.popleft().synchronize()
+                    done = torch.cuda.Event(blocking=True)  # sleep, don't spin, on the rest
+                    done.record(side)
+                    done.synchronize()
+            except BaseException as exc:  # handed to the caller, never dropped
+                batch.failed = True
+                with self._cv:
+                    if self._error is None:
+                        self._error = exc
+                        self._error_where = f"the D2H copy of {len(pieces)} piece(s)"
+                if side is not None:  # don't free snapshots a copy may still read
+                    try:
+                        side.synchronize()
+                    except BaseException:
+                        pass
+            # Copies complete: the snapshots may go back to the allocator, from this thread.
+            dst = src = None
+            del copies, job
+            for rid, start, row0, n in pieces:
+                self._tasks.put((batch, rid, start, row0, n))
 
     def _worker(self) -> None:
         while True:
@@ -465,10 +524,8 @@ class DumpWriter:
                 return
             batch, rid, start, row0, n = task
             try:
-                if batch.done is not None:
-                    with torch.cuda.device(batch.device):
-                        batch.done.synchronize()
-                self._write_piece(batch, rid, start, row0, n)
+                if not batch.failed:
+                    self._write_piece(batch, rid, start, row0, n)
             except BaseException as exc:  # handed to the caller, never dropped
                 with self._cv:
                     if self._error is None:
@@ -543,20 +600,15 @@ class DumpWriter:
             raise
 
 
-def _copy_chunked(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int) -> None:
-    """Device-to-host copy of ``src`` into pinned ``dst`` as row blocks of ~``chunk_bytes``.
-
-    Why chunks: device-to-host copies from all streams share the GPU's D2H copy engine, and
-    one 470 MB copy holds it for ~8.5 ms.  The forward's own small D2H at the end of a pass
-    (sampling's ``.tolist()``/``.item()``) then queues behind it and the whole TP group
-    waits (measured on the H200: +6-7 ms per ~190 ms pass).  Between chunks the engine can
-    serve the other stream, so that wait shrinks to about one chunk.
-    """
+def _chunks(
+    dst: torch.Tensor, src: torch.Tensor, writer: DumpWriter
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Split a D2H copy of ``src`` into pinned ``dst`` into row blocks of ~d2h_chunk_mb."""
     rows = src.shape[0]
     row_bytes = max(1, src[0].numel() * src.element_size()) if rows else 1
-    step = rows if chunk_bytes <= 0 else max(1, chunk_bytes // row_bytes)
-    for r0 in range(0, rows, step):
-        dst[r0 : r0 + step].copy_(src[r0 : r0 + step], non_blocking=True)
+    chunk = writer.d2h_chunk_bytes
+    step = max(rows, 1) if chunk <= 0 else max(1, chunk // row_bytes)
+    return [(dst[r0 : r0 + step], src[r0 : r0 + step]) for r0 in range(0, rows, step)]
 
 
 def _writev_all(fd: int, bufs: list) -> None:

@@ -31,7 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
-from hsextract import __version__
+from hsextract import __version__, faults
 from hsextract.capture import DumpWriter, get_writer
 
 log = logging.getLogger("hsextract.engine")
@@ -329,10 +329,14 @@ class EngineServer:
         if any(t < 0 or t >= vocab for t in ids):
             return 400, {"error": f"token id outside [0, {vocab})"}
         rid = str(body.get("rid") or f"ref-{time.monotonic_ns():x}")
+        if faults.ACTIVE and (injected := faults.before_generate(rid)):  # tests only
+            return injected
         sp = body.get("sampling_params") or {}
         max_new = int(sp.get("max_new_tokens", 0) or 0)
         req = Request(rid=rid, input_ids=ids, max_new_tokens=max_new)
         self.scheduler.submit(req).result()
+        if faults.ACTIVE:  # tests only: tamper with this request's dump pieces
+            faults.after_generate(rid, len(ids), os.environ.get("SGLANG_HS_DUMP_DIR"))
         return 200, {
             "text": "",
             "output_ids": req.output_ids,

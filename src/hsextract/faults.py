@@ -1,0 +1,212 @@
+"""Test-only fault injection: make the reference engine and the chunk writer misbehave.
+
+Off unless the environment variable ``HSEXTRACT_FAULTS`` holds a JSON spec; then
+:data:`ACTIVE` is true and the hooks below fire.  With the variable unset every hook site
+costs one attribute read (``if faults.ACTIVE``).  The variable flows the ordinary way: a
+test sets it in the environment of ``snakemake``, jobs inherit it, and the server a job
+launches inherits it from the job.  Production runs never set it.
+
+Spec (every key optional)::
+
+    {
+      "once": "/tmp/x/fired",        # fire in one process only: a process that starts while
+                                     # this file exists injects nothing; the first fault
+                                     # that fires creates it.  So a relaunched server, or
+                                     # the rerun, is clean.
+      "log": "/tmp/x/faults.jsonl",  # every fault that fires is appended here (one JSON
+                                     # object per line: what, rid, file, pid)
+      "generate": [                  # per POST /generate, before it is scheduled
+        {"rid": "chunk_00001", "nth": [3], "do": "500" | "hang" | "kill"}
+      ],
+      "piece": [                     # per finished request, once its pieces are on disk
+        {"rid": "chunk_00001", "nth": [2], "do": "truncate" | "bad_header" | "drop"
+                                                | "flip_id", "index": -1}
+      ],
+      "chunk_write": [               # in the workflow's chunk writer (ChunkWriter.put)
+        {"chunk": "chunk_00001", "nth": [3], "do": "enospc"}
+      ]
+    }
+
+A rule matches a request whose rid (or a chunk file whose name) contains ``rid``
+(``chunk``), and fires on the ``nth`` matching occurrences *in this process* (1-based; a
+list, or ``"all"``, the default).  Actions:
+
+- ``500``: answer HTTP 500 (the client retries: transient);
+- ``hang``: accept the request and never answer (the client times out: transient);
+- ``kill``: SIGKILL the server process (the client relaunches it: transient);
+- ``truncate`` / ``bad_header``: corrupt one piece of the request (``index`` into its
+  pieces sorted by start; default 0) -- half its bytes, or garbage in the JSON header;
+- ``drop``: delete one piece (default: the last) -- a coverage gap after completion;
+- ``flip_id``: change the first token id stored in one piece -- broken token parity;
+- ``enospc``: raise ``OSError(ENOSPC)`` from the chunk writer, as a full disk would.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import struct
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ENV = "HSEXTRACT_FAULTS"
+_GENERATE_ACTIONS = {"500", "hang", "kill"}
+_PIECE_ACTIONS = {"truncate", "bad_header", "drop", "flip_id"}
+_WRITE_ACTIONS = {"enospc"}
+
+
+class FaultSpecError(ValueError):
+    """The spec in ``HSEXTRACT_FAULTS`` is malformed (a test bug, never a user's)."""
+
+
+def load(raw: str | None) -> dict[str, Any] | None:
+    """Parse and check a spec; ``None`` when there is none or its ``once`` file exists."""
+    if not raw:
+        return None
+    try:
+        spec = json.loads(raw)
+    except ValueError as exc:
+        raise FaultSpecError(f"{ENV} is not JSON: {exc}") from None
+    if not isinstance(spec, dict):
+        raise FaultSpecError(f"{ENV} must be a JSON object")
+    for key, actions in (
+        ("generate", _GENERATE_ACTIONS),
+        ("piece", _PIECE_ACTIONS),
+        ("chunk_write", _WRITE_ACTIONS),
+    ):
+        for rule in spec.get(key, []):
+            if rule.get("do") not in actions:
+                raise FaultSpecError(f"{ENV}: {key} rule {rule}: 'do' must be one of {actions}")
+    once = spec.get("once")
+    if once and os.path.exists(once):
+        return None
+    return spec
+
+
+SPEC: dict[str, Any] | None = load(os.environ.get(ENV))
+#: True when a spec is armed in this process; every hook site checks this first.
+ACTIVE: bool = SPEC is not None
+
+_lock = threading.Lock()
+_seen: dict[tuple[str, int], int] = {}
+
+
+def _match(kind: str, key: str, name: str) -> dict[str, Any] | None:
+    """The first rule of ``kind`` that fires for this occurrence of ``name``, if any."""
+    if SPEC is None:
+        return None
+    for i, rule in enumerate(SPEC.get(kind, [])):
+        if rule.get(key, "") not in name:
+            continue
+        with _lock:
+            count = _seen.get((kind, i), 0) + 1
+            _seen[(kind, i)] = count
+        nth = rule.get("nth", "all")
+        if nth == "all" or count in nth:
+            return rule
+    return None
+
+
+def _fired(what: str, **info: Any) -> None:
+    """Record a fault: the ``once`` file (so later processes stay clean) and the log."""
+    assert SPEC is not None
+    once = SPEC.get("once")
+    if once:
+        Path(once).touch()
+    entry = {"fault": what, "pid": os.getpid(), "time": time.time(), **info}
+    log = SPEC.get("log")
+    if log:
+        with open(log, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+# -- reference engine ------------------------------------------------------------------
+
+
+def before_generate(rid: str) -> tuple[int, dict] | None:
+    """Called by the engine per /generate; returns a response to send instead, or None."""
+    rule = _match("generate", "rid", rid)
+    if rule is None:
+        return None
+    _fired(rule["do"], rid=rid)
+    if rule["do"] == "500":
+        return 500, {"error": f"injected fault: HTTP 500 for rid {rid}"}
+    if rule["do"] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Event().wait()  # "hang": the connection stays open, no answer ever comes
+    return None  # pragma: no cover
+
+
+def after_generate(rid: str, length: int, dump_dir: str | None, timeout_s: float = 60) -> None:
+    """Called by the engine once a request is done, before it answers: tamper with pieces."""
+    rule = _match("piece", "rid", rid)
+    if rule is None or not dump_dir:
+        return
+    rid_dir = Path(dump_dir) / rid
+    pieces = _wait_for_pieces(rid_dir, length, timeout_s)
+    action = rule["do"]
+    path = pieces[int(rule.get("index", -1 if action == "drop" else 0))]
+    if action == "truncate":
+        size = path.stat().st_size
+        os.truncate(path, size // 2)
+    elif action == "bad_header":
+        with open(path, "r+b") as f:
+            f.seek(8)
+            f.write(b"\xff\xfe not json \x00")
+    elif action == "drop":
+        path.unlink()
+    elif action == "flip_id":
+        _flip_first_id(path)
+    _fired(action, rid=rid, file=str(path))
+
+
+def _piece_len(path: Path) -> int:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return int(header["__metadata__"]["n"])
+
+
+def _wait_for_pieces(rid_dir: Path, length: int, timeout_s: float) -> list[Path]:
+    """The request's pieces (sorted by start) once they cover ``length`` tokens."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pieces = sorted(rid_dir.glob("*.safetensors")) if rid_dir.is_dir() else []
+        try:
+            if sum(_piece_len(p) for p in pieces) >= length:
+                return pieces
+        except (OSError, ValueError):
+            pass  # a piece renamed away under us: look again
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"fault injection: pieces of {rid_dir} never covered {length}")
+        time.sleep(0.01)
+
+
+def _flip_first_id(path: Path) -> None:
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        start = 8 + n + int(header["input_ids"]["data_offsets"][0])
+        f.seek(start)
+        (token,) = struct.unpack("<q", f.read(8))
+        f.seek(start)
+        f.write(struct.pack("<q", token ^ 1))  # stays inside the vocabulary
+
+
+# -- workflow side ---------------------------------------------------------------------
+
+
+def on_chunk_put(path: str | os.PathLike[str]) -> None:
+    """Called by ``ChunkWriter.put`` per record: raise ENOSPC as a full disk would."""
+    name = Path(path).name
+    rule = _match("chunk_write", "chunk", name)
+    if rule is None:
+        return
+    _fired(rule["do"], file=str(path))
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))

@@ -1,0 +1,130 @@
+"""The workflow killed, the /dev/shm budget, a full disk, a chunk input changed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+from faultkit import FaultRun, fault_test
+
+from hsextract.server import read_json
+
+
+@fault_test
+def test_workflow_sigkilled_mid_chunk_watchdog_stops_the_server(run: FaultRun):
+    # Hold chunk_00001 open (record 5 hangs) so the kill lands mid-chunk, server alive.
+    spec = run.spec(generate=[{"rid": "chunk_00001-000005", "nth": [1], "do": "hang"}])
+    proc = run.popen("-j1", "extract_all", faults=spec)
+    try:
+        deadline = time.monotonic() + 120
+        while not run.fault_log() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None and run.fault_log(), "the run never reached the fault"
+        live = next(run.run_dir.glob("state/server.*.live.json"))
+        server = read_json(live)
+        assert server and run.processes(), "no server running mid-chunk"
+        # What an OOM killer or a scheduler preemption does: no onerror handler runs.
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    # The server runs in its own session, so the kill did not reach it: the watchdog did.
+    run.assert_no_processes_left()
+    assert f"owner {server['owner_pid']} gone, stopping server group" in run.log("server.log")
+    assert run.assert_chunks_sound(allow_tmp=True) == ["chunk_00000"]
+    assert list(run.hidden.glob(".chunk_00001.*.tmp")), "expected the killed writer's temp file"
+    run.rerun_matches()  # also: no temp file of the killed writer is left behind
+    leftovers = [p.name for p in (run.workdir / "shm" / "dump").iterdir()]
+    assert leftovers == [".hsextract-run"], f"dump pieces of the killed run remain: {leftovers}"
+
+
+@fault_test
+def test_shm_budget_below_the_largest_request_fails_naming_it(run: FaultRun):
+    run.set_config(**{"dump.shm_budget_gb": 0.0001})  # ~105 KB: below every request here
+    out = run.fail()
+    run.assert_failed_cleanly(
+        out,
+        "chunk chunk_00001: the longest record (",
+        "GiB of dump space, more than dump.shm_budget_gb=0.0001; raise it",
+    )
+    run.set_config(**{"dump.shm_budget_gb": 2.0})
+    run.rerun_matches()
+
+
+def _mount_tmpfs(path, size: int) -> bool:
+    """A tmpfs of ``size`` bytes at ``path``, if this machine lets us mount one."""
+    if shutil.which("mount") is None:
+        return False
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    return proc.returncode == 0
+
+
+@fault_test
+def test_disk_full_while_writing_a_chunk(run: FaultRun):
+    """A real full disk where the machine allows a tmpfs mount, else ENOSPC at the writer."""
+    kept = {f.name: f for f in run.hidden.glob("chunk_00000.*")}
+    size0 = sum(f.stat().st_size for f in kept.values())
+    size1 = run.baseline["sizes"]["hidden/chunk_00001.safetensors"]
+    aside = run.tmp / "aside"
+    aside.mkdir()
+    for name, f in kept.items():
+        shutil.move(f, aside / name)
+    # Room for chunk_00000 (already there) and a quarter of chunk_00001.
+    mounted = _mount_tmpfs(run.hidden, size0 + size1 // 4 + 64 * 1024)
+    try:
+        for name in kept:
+            shutil.copy2(aside / name, run.hidden / name)  # mtimes kept: still up to date
+        spec = None
+        if not mounted:  # no mount here: the writer raises ENOSPC at its 3rd record
+            spec = run.spec(chunk_write=[{"chunk": "chunk_00001", "nth": [3], "do": "enospc"}])
+        print(f"disk full by {'a small tmpfs' if mounted else 'injection at the writer'}")
+        out = run.fail(spec)
+        run.assert_failed_cleanly(
+            out,
+            "chunk chunk_00001: disk full writing ",
+            "hidden/chunk_00001.safetensors (No space left on device;",
+            "the partial file was removed; free space there (or move output_root), then rerun",
+        )
+        if mounted:  # free space, as the message says, and rerun
+            subprocess.run(["mount", "-o", "remount,size=64m", str(run.hidden)], check=True)
+        run.rerun_matches()
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(run.hidden)], check=False)
+
+
+@fault_test
+def test_chunk_input_truncated_or_edited_after_split(run: FaultRun):
+    chunk = run.run_dir / "chunks" / "chunk_00001.jsonl"
+    original = chunk.read_bytes()
+    chunk.write_bytes(original[: len(original) // 2])  # truncated mid-line
+    out = run.fail()
+    run.assert_failed_cleanly(
+        out,
+        f"chunk {chunk.relative_to(run.workdir)} changed after split_chunks: sha256",
+        f"({len(original) // 2} bytes, index says {len(original)}); delete ",
+        "and rerun split_chunks",
+    )
+    # Edited, same length: one token id changed.
+    i = original.index(b'"input_ids":[') + len(b'"input_ids":[')
+    edited = original[:i] + (b"1" if original[i : i + 1] != b"1" else b"2") + original[i + 1 :]
+    chunk.write_bytes(edited)
+    out = run.fail()
+    run.assert_failed_cleanly(
+        out, "changed after split_chunks", f"({len(original)} bytes, index says {len(original)})"
+    )
+    # Do what the message says: delete it and rerun; split_chunks rewrites it identically.
+    chunk.unlink()
+    res = run.rerun_matches()
+    assert "rule split_chunks" in res.output
+    assert chunk.read_bytes() == original
