@@ -19,6 +19,7 @@ include: "rules/extract.smk"
 
 localrules:
     extract_all,
+    chunk_index,
 
 
 # The chunk files are listed here, not only through the manifest: Snakemake does not

@@ -1,9 +1,11 @@
 # Upstream inputs through ancient(): a relaunched server or a re-stamped state file must
 # never make finished chunks look out of date.  A changed chunk input is still caught:
 # the client checks each chunk file's sha256 against chunks/index.json.
+# The chunk's records file is a param, reached through the index (see chunk_index in
+# data.smk; a missing one makes split_chunks rerun): as an input, each lookup scans all
+# n_chunks outputs of split_chunks, which made `snakemake -n` quadratic (bench/plan.py).
 rule extract_chunk:
     input:
-        chunk=ancient(run_path("chunks/chunk_{chunk}.jsonl")),
         index=ancient(run_path("chunks/index.json")),
         server=ancient(run_path("state/server.json")),
     output:
@@ -13,6 +15,8 @@ rule extract_chunk:
         run_path("logs/extract_chunk_{chunk}.log"),
     benchmark:
         run_path("benchmarks/extract_chunk_{chunk}.tsv")
+    params:
+        chunk=run_path("chunks/chunk_{chunk}.jsonl"),
     wildcard_constraints:
         chunk=r"\d{5}",
     conda:

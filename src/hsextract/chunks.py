@@ -59,6 +59,22 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")
 
 
+def remove_stale_temps(path: Path) -> list[str]:
+    """Remove temporary files an earlier, killed writer of this chunk left next to it.
+
+    A SIGKILLed job cannot clean up, and each leftover is as large as the chunk.  Only
+    one job writes a given chunk at a time (Snakemake locks the outputs), so any
+    ``.<name>.<pid>.tmp`` found when a writer starts is stale.  Links are unlinked, never
+    followed.
+    """
+    removed = []
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+        if stale.is_symlink() or stale.is_file():
+            stale.unlink(missing_ok=True)
+            removed.append(stale.name)
+    return removed
+
+
 class ChunkWriter:
     """Preallocated, position-addressed writer: records may arrive in any order."""
 
@@ -105,6 +121,7 @@ class ChunkWriter:
         self.size = self.data_start + pos
         self.esize = esize
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.removed_stale = remove_stale_temps(self.path)
         self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.ftruncate(self.fd, self.size)

@@ -393,9 +393,10 @@ class Client:
                     self.state = self.ensure()
                     self.dump_dir = Path(self.state["spec"]["dump_dir"])
             except ExtractionError as exc:
+                msg, prefix = str(exc), f"{where} (rid {rid})"
+                msg = msg if msg.startswith(prefix) else f"{prefix}: {msg}"
                 raise ExtractionError(
-                    f"{where} (rid {rid}): {exc} (permanent, not retried; server log: "
-                    f"{self._server_log()})"
+                    f"{msg} (permanent, not retried; server log: {self._server_log()})"
                 ) from None
             finally:
                 shutil.rmtree(rid_dir, ignore_errors=True)
@@ -404,6 +405,20 @@ class Client:
             f"{self.retries}): {last}. Check the server log {self._server_log()}, then rerun "
             "(finished chunks are kept)"
         )
+
+    def remove_stale_pieces(self, chunk: str) -> list[str]:
+        """Remove this chunk's request dirs an interrupted earlier attempt left behind.
+
+        A killed job cannot delete its in-flight pieces; left alone they would hold
+        /dev/shm.  Request ids start with the chunk's name and one job at a time extracts
+        a chunk, so any such dir in the dump dir is stale.  Never follows a link.
+        """
+        removed = []
+        for d in self.dump_dir.glob(f"{chunk}-*"):
+            if d.is_dir() and not d.is_symlink():
+                shutil.rmtree(d, ignore_errors=True)
+                removed.append(d.name)
+        return removed
 
     def _server_log(self) -> str:
         return str(self.state.get("spec", {}).get("log_path", "(server log unknown)"))
@@ -441,10 +456,14 @@ def extract_chunk(
     if longest * geo.dump_bytes_per_token > budget_bytes:
         raise ExtractionError(
             f"chunk {name}: the longest record ({longest_rec.id!r}, {longest} tokens) needs "
-            f"{longest * geo.dump_bytes_per_token / 2**30:.3f} GiB of dump space, more than "
-            f"dump.shm_budget_gb={cfg['dump']['shm_budget_gb']}; raise it"
+            f"{longest * geo.dump_bytes_per_token / 2**20:.2f} MiB of dump space, more than "
+            f"dump.shm_budget_gb={cfg['dump']['shm_budget_gb']} ({budget_bytes / 2**20:.2f} "
+            "MiB); raise it"
         )
     client = Client(cfg, geo, ensure)
+    stale = client.remove_stale_pieces(name)
+    if stale:
+        log.info("%s: removed dump pieces of an interrupted earlier attempt: %s", name, stale)
     fp = fingerprint(cfg)
     meta = {
         "record_ids": json.dumps([r.id for r in records]),
@@ -468,6 +487,10 @@ def extract_chunk(
         )
     except OSError as exc:
         raise _write_error(name, out_path, exc) from exc
+    if writer.removed_stale:
+        log.info(
+            "%s: removed temporary files of an interrupted attempt: %s", name, writer.removed_stale
+        )
     shm = ByteBudget(budget_bytes)
     total_tokens = sum(len(r.input_ids) for r in records)
     bar = _progress(name, total_tokens, len(records), progress)

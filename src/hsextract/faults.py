@@ -96,9 +96,13 @@ _seen: dict[tuple[str, int], int] = {}
 
 
 def _match(kind: str, key: str, name: str) -> dict[str, Any] | None:
-    """The first rule of ``kind`` that fires for this occurrence of ``name``, if any."""
+    """The first rule of ``kind`` that fires for this occurrence of ``name``, if any.
+
+    Every matching rule counts the occurrence, whether or not an earlier rule fires.
+    """
     if SPEC is None:
         return None
+    fired = None
     for i, rule in enumerate(SPEC.get(kind, [])):
         if rule.get(key, "") not in name:
             continue
@@ -106,9 +110,9 @@ def _match(kind: str, key: str, name: str) -> dict[str, Any] | None:
             count = _seen.get((kind, i), 0) + 1
             _seen[(kind, i)] = count
         nth = rule.get("nth", "all")
-        if nth == "all" or count in nth:
-            return rule
-    return None
+        if fired is None and (nth == "all" or count in nth):
+            fired = rule
+    return fired
 
 
 def _fired(what: str, **info: Any) -> None:

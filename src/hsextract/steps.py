@@ -238,7 +238,7 @@ def extract_chunk(sm: Any) -> None:
 
     sidecar = extract(
         cfg,
-        chunk_path=Path(sm.input.chunk),
+        chunk_path=Path(sm.params.chunk),
         index_path=Path(sm.input.index),
         out_path=Path(sm.output.hidden),
         sidecar_path=Path(sm.output.sidecar),

