@@ -22,13 +22,13 @@ localrules:
     chunk_index,
 
 
-# The chunk files are listed here, not only through the manifest: Snakemake does not
-# regenerate a missing intermediate whose consumers are up to date, and a deleted chunk
-# must be planned again by `snakemake -n extract_all`.
+# The chunk files are listed here, not only through the manifest (which reads their
+# sidecars): Snakemake does not regenerate a missing intermediate whose consumers are up
+# to date, and a deleted chunk must be planned again by `snakemake -n extract_all`.
+# Each list only once per rule: every listed file costs planning time per chunk.
 rule extract_all:
     input:
         hidden=expand(run_path("hidden/chunk_{chunk}.safetensors"), chunk=CHUNK_IDS),
-        sidecars=expand(run_path("hidden/chunk_{chunk}.json"), chunk=CHUNK_IDS),
         manifest=run_path("manifest.json"),
     default_target: True
 

@@ -5,9 +5,11 @@ final, bf16; records of 1,500-5,000 tokens scheduled SGLang-style into 1,024-tok
 passes, so each record arrives as several pieces; ~2.2 GB in all), then times, per trial:
 
 * ``pack``: exactly what ``hsextract.client.extract_chunk`` runs for a chunk, minus HTTP --
-  a thread pool (``client.requests_in_flight`` = 8 workers) doing ``read_pieces`` ->
-  ``assemble`` (parity, shapes, finiteness) -> piece deletion -> ``ChunkWriter.put`` per
-  record, then ``ChunkWriter.finish`` (fsync, sha256, rename) and ``check_chunk``;
+  a thread pool (``client.requests_in_flight`` = 8 workers) doing ``read_pieces`` (opens
+  the pieces, reads the ids) -> ``assemble`` (parity, shapes, dtype, aux layers,
+  finiteness through a mapping) -> piece unlinking -> ``ChunkWriter.put_files`` (kernel
+  copy from the unlinked pieces) -> closing them, per record, then ``ChunkWriter.finish``
+  (fsync, sha256, rename) and ``check_chunk``;
 * ``cp``: ``cp -r`` of the same piece files to the same disk, then ``sync -f`` so the bytes
   are as durable as the chunk file's (its ``finish`` fsyncs).  ``cp`` alone (page cache
   only) is printed too.
@@ -134,13 +136,14 @@ def pack(dump_dir: Path, out: Path, records: list[list[int]], rids: list[str], t
 
     def one(j: int) -> None:
         rid_dir = dump_dir / rids[j]
-        try:
+        try:  # Client.extract_dump
             pieces = read_pieces(rid_dir, len(records[j]), 60.0)
-            ids, hidden, aux = assemble(pieces, records[j], geo, f"record {j}")
+            dump = assemble(pieces, records[j], geo, f"record {j}")
         finally:
             shutil.rmtree(rid_dir, ignore_errors=True)
-        mask = torch.ones(len(records[j]), dtype=torch.uint8)
-        writer.put(j, ids, mask, hidden, aux)
+        with dump:  # extract_chunk: copy from the (unlinked) pieces, then free them
+            mask = torch.ones(len(records[j]), dtype=torch.uint8)
+            writer.put_files(j, dump.ids, mask, dump.hidden, dump.aux, dump.dtype)
 
     try:
         if threads <= 1:  # inline: what --profile uses, so cProfile sees the work

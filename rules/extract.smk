@@ -2,11 +2,13 @@
 # never make finished chunks look out of date.  A changed chunk input is still caught:
 # the client checks each chunk file's sha256 against chunks/index.json.
 # The chunk's records file is a param, reached through the index (see chunk_index in
-# data.smk; a missing one makes split_chunks rerun): as an input, each lookup scans all
-# n_chunks outputs of split_chunks, which made `snakemake -n` quadratic (bench/plan.py).
+# data.smk): as an input, each lookup scans all n_chunks outputs of split_chunks, which
+# made `snakemake -n` quadratic (bench/plan.py).  A missing one is rebuilt from
+# train.jsonl at the line offsets the index records, so nothing else reruns.
 rule extract_chunk:
     input:
         index=ancient(run_path("chunks/index.json")),
+        merged=ancient(run_path("merged/train.jsonl")),
         server=ancient(run_path("state/server.json")),
     output:
         hidden=run_path("hidden/chunk_{chunk}.safetensors"),
@@ -27,7 +29,6 @@ rule extract_chunk:
 
 rule manifest:
     input:
-        hidden=expand(run_path("hidden/chunk_{chunk}.safetensors"), chunk=CHUNK_IDS),
         sidecars=expand(run_path("hidden/chunk_{chunk}.json"), chunk=CHUNK_IDS),
         stats=run_path("merged/stats.json"),
     output:

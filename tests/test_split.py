@@ -116,3 +116,29 @@ def test_split_refuses_an_edited_merged_file(tmp_path: Path) -> None:
     merged.write_bytes(merged.read_bytes() + b'{"id": "z", "input_ids": [-1], "loss_mask": [0]}\n')
     with pytest.raises(ChunkInputError, match="line 3"):
         split_chunks(merged, _outs(tmp_path, 2), tmp_path / "chunks" / "index.json")
+
+
+def test_missing_chunk_is_rebuilt_from_train_jsonl_byte_for_byte(tmp_path):
+    from hsextract.records import load_chunk, merge_and_shuffle, split_chunks
+
+    src = tmp_path / "in.jsonl"
+    src.write_text(
+        "".join(
+            f'{{"id": "r{i}", "input_ids": {list(range(i + 1))}, "loss_mask": {[1] * (i + 1)}}}\n'
+            for i in range(20)
+        )
+    )
+    merge_and_shuffle([src], tmp_path / "m", max_seq_len=64, overlength="drop", seed=3,
+                      vocab_size=None, max_reject_fraction=0.0)  # fmt: skip
+    outs = [tmp_path / "c" / f"chunk_{i:05d}.jsonl" for i in range(3)]
+    split_chunks(tmp_path / "m" / "train.jsonl", outs, tmp_path / "c" / "index.json")
+    original = outs[1].read_bytes()
+    outs[1].unlink()
+    recs = load_chunk(outs[1], tmp_path / "c" / "index.json", merged=tmp_path / "m" / "train.jsonl")
+    assert outs[1].read_bytes() == original and len(recs) == original.count(b"\n")
+    # train.jsonl edited after the split: the rebuild refuses rather than invent a chunk.
+    train = tmp_path / "m" / "train.jsonl"
+    train.write_bytes(train.read_bytes().replace(b'"r', b'"x'))  # every line's id
+    outs[2].unlink()
+    with pytest.raises(ChunkInputError, match="changed after split_chunks"):
+        load_chunk(outs[2], tmp_path / "c" / "index.json", merged=train)

@@ -13,8 +13,11 @@ their final offsets as soon as the record arrives, in any order.  Then fsync, ha
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
+import mmap
 import os
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -43,13 +46,54 @@ class ChunkFileError(HsextractError):
 
 
 def sha256_file(path: str | os.PathLike[str], bufsize: int = 16 << 20) -> str:
+    """Hashed straight from a read-only mapping of the file (no copy into a buffer)."""
     h = hashlib.sha256()
     with open(path, "rb", buffering=0) as f:
-        buf = bytearray(bufsize)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(view[:n])
+        size = os.fstat(f.fileno()).st_size
+        if size:
+            with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as mm:
+                view = memoryview(mm)
+                try:
+                    for a in range(0, size, bufsize):
+                        h.update(view[a : a + bufsize])
+                finally:
+                    view.release()
     return h.hexdigest()
+
+
+def _splice(
+    src: int, at: int, nbytes: int, dst: int, pos: int, r: int, w: int, step: int, name: str
+) -> None:
+    """Copy ``nbytes`` from ``src`` at ``at`` to ``dst`` at ``pos`` through the pipe (r, w);
+    a source that cannot splice is copied with pread/pwrite."""
+    end = at + nbytes
+    while at < end:
+        try:
+            n = os.splice(src, w, min(step, end - at), offset_src=at)
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                raise
+            return _copy(src, at, end - at, dst, pos, name)
+        if n <= 0:
+            raise ChunkFileError(f"{name}: file ends at byte {at}, expected {end}")
+        at += n
+        while n:
+            m = os.splice(r, dst, n, offset_dst=pos)
+            n, pos = n - m, pos + m
+
+
+def _copy(src: int, at: int, nbytes: int, dst: int, pos: int, name: str) -> None:
+    buf = memoryview(bytearray(min(nbytes, _WRITE_SLICE)))
+    end = at + nbytes
+    while at < end:
+        n = os.preadv(src, [buf[: end - at]], at)
+        if n <= 0:
+            raise ChunkFileError(f"{name}: file ends at byte {at}, expected {end}")
+        data = buf[:n]
+        while len(data):
+            m = os.pwrite(dst, data, pos)
+            data, pos = data[m:], pos + m
+        at += n
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
@@ -167,6 +211,58 @@ class ChunkWriter:
         row = self.esize * self.h
         self._pwrite("hidden_states", row * start, _as_bytes(hidden))
         self._pwrite("aux_hidden_states", row * self.k * start, _as_bytes(aux))
+        self.written[j] = True
+
+    def put_files(
+        self,
+        j: int,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        hidden: Sequence[tuple[int, int, int, str]],
+        aux: Sequence[tuple[int, int, int, str]],
+        dtype: torch.dtype,
+    ) -> None:
+        """Like ``put``, but the hidden and aux rows are ``(fd, offset, nbytes, name)`` byte
+        ranges of open files, in row order, copied file to file in the kernel (``splice``
+        through a pipe: no user-space copy, no fresh memory).  ``name`` is for errors."""
+        n, start = self.lengths[j], int(self.offsets[j])
+        row = self.esize * self.h
+        got = (sum(r[2] for r in hidden), sum(r[2] for r in aux))
+        if input_ids.shape != (n,) or got != (n * row, n * row * self.k):
+            raise ChunkFileError(
+                f"record {j}: ids {tuple(input_ids.shape)}, hidden {got[0]} bytes, aux "
+                f"{got[1]} bytes do not match length {n}, H={self.h}, k={self.k}, {self.dtype}"
+            )
+        if dtype != self.dtype:
+            raise ChunkFileError(f"record {j}: dtype {dtype} != {self.dtype}")
+        if faults.ACTIVE:  # tests only: a disk that fills up mid-chunk
+            faults.on_chunk_put(self.path)
+        self._pwrite("input_ids", 4 * start, _as_bytes(input_ids.to(torch.int32)))
+        self._pwrite("loss_mask", start, _as_bytes(loss_mask.to(torch.uint8)))
+        r, w = os.pipe() if hasattr(os, "splice") else (-1, -1)
+        try:
+            step = 1 << 16  # a pipe's default capacity
+            if r >= 0:
+                try:
+                    fcntl.fcntl(w, getattr(fcntl, "F_SETPIPE_SZ", 1031), _WRITE_SLICE)
+                    step = _WRITE_SLICE
+                except OSError:  # pipe-max-size below 1 MiB, or the user's pipe quota is full
+                    pass
+            for name, at, ranges in (
+                ("hidden_states", row * start, hidden),
+                ("aux_hidden_states", row * self.k * start, aux),
+            ):
+                pos = self.data_start + self.base[name] + at
+                for fd, offset, nbytes, src in ranges:
+                    if r >= 0:
+                        _splice(fd, offset, nbytes, self.fd, pos, r, w, step, src)
+                    else:
+                        _copy(fd, offset, nbytes, self.fd, pos, src)
+                    pos += nbytes
+        finally:
+            if r >= 0:
+                os.close(r)
+                os.close(w)
         self.written[j] = True
 
     def finish(self) -> str:

@@ -18,13 +18,14 @@ import errno
 import json
 import logging
 import math
+import mmap
 import os
 import shutil
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,44 +129,44 @@ def read_pieces(
             )
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
-    pieces = []
-    layouts = []
-    for start, name in ranges:
-        path = rid_dir / name
-        try:
-            layouts.append((start, path, *_piece_layout(path)))
-        except Exception as exc:
-            raise ExtractionError(f"corrupt dump piece {path}: {exc}") from exc
-    # Each tensor of the request gets one buffer and every piece is pread straight into its
-    # rows: ``assemble`` then needs no concatenation copy, and nothing page-faults through a
-    # shared mapping of /dev/shm (both cost more than the copy itself: bench/pack.py).
-    whole: dict[str, torch.Tensor] = {}
-    for key in _PIECE_KEYS:
-        kinds = {(lay[key][0], tuple(lay[key][1][1:])) for _, _, _, lay in layouts}
-        if len(kinds) == 1:
-            dtype, rest = kinds.pop()
-            rows = sum(lay[key][1][0] for _, _, _, lay in layouts)
-            whole[key] = torch.empty((rows, *rest), dtype=dtype)
-    row = dict.fromkeys(_PIECE_KEYS, 0)
-    for start, path, meta, lay in layouts:
-        piece: dict = {"whole": whole} if len(whole) == len(_PIECE_KEYS) else {}
-        try:
-            with open(path, "rb", buffering=0) as f:
-                for key in _PIECE_KEYS:
-                    dtype, shape, offset, _ = lay[key]
-                    if key in whole:
-                        t = whole[key][row[key] : row[key] + shape[0]]
-                        row[key] += shape[0]
-                    else:
-                        t = torch.empty(shape, dtype=dtype)
-                    _pread_into(f.fileno(), t, offset)
-                    piece[key] = t
-        except Exception as exc:
-            raise ExtractionError(f"corrupt dump piece {path}: {exc}") from exc
-        piece["start"] = start
-        piece["meta"] = meta
-        pieces.append(piece)
+    # Each piece stays open (its fd keeps the bytes even once the file is unlinked); only
+    # the small ids tensor is read.  The hidden and aux rows never enter Python memory:
+    # ``assemble`` checks them through a read-only mapping and ``ChunkWriter.put_files``
+    # copies them file to file in the kernel (bench/pack.py: the copies into fresh memory
+    # and their page faults cost more than the copy itself).
+    pieces: list[dict] = []
+    try:
+        for start, name in ranges:
+            path = rid_dir / name
+            piece: dict = {"start": start, "path": path, "fd": -1}
+            pieces.append(piece)
+            try:
+                fd = piece["fd"] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                meta, lay = _piece_layout(fd)
+                dtype, shape, offset, _ = lay["input_ids"]
+                ids = torch.empty(shape, dtype=dtype)
+                _pread_into(fd, ids, offset)
+            except OSError as exc:
+                if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                    raise ExtractionError(f"corrupt dump piece {path}: {exc}") from exc
+                raise ExtractionError(
+                    f"cannot open dump piece {path}: {exc} (a request's pieces stay open until "
+                    "its rows are copied: raise the open-files limit, ulimit -n)"
+                ) from exc
+            except Exception as exc:
+                raise ExtractionError(f"corrupt dump piece {path}: {exc}") from exc
+            piece.update(meta=meta, layout=lay, input_ids=ids)
+    except BaseException:
+        close_pieces(pieces)
+        raise
     return pieces
+
+
+def close_pieces(pieces: list[dict]) -> None:
+    for p in pieces:
+        fd = p.pop("fd", -1)
+        if fd >= 0:
+            os.close(fd)
 
 
 _PIECE_KEYS = ("input_ids", "hidden_states", "aux_hidden_states")
@@ -178,15 +179,14 @@ _PIECE_DTYPES = {
 }
 
 
-def _piece_layout(path: Path) -> tuple[dict, dict[str, tuple[torch.dtype, list[int], int, int]]]:
+def _piece_layout(fd: int) -> tuple[dict, dict[str, tuple[torch.dtype, list[int], int, int]]]:
     """A piece's metadata and, per tensor, (dtype, shape, file offset, nbytes), all checked
     against the file's size (the safetensors layout that ``hsextract.capture`` writes)."""
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        n = int.from_bytes(f.read(8), "little")
-        if size < 8 or not 2 <= n <= size - 8:
-            raise ValueError(f"header length {n} does not fit the file's {size} bytes")
-        header = json.loads(f.read(n))
+    size = os.fstat(fd).st_size
+    n = int.from_bytes(os.pread(fd, 8, 0), "little")
+    if size < 8 or not 2 <= n <= size - 8:
+        raise ValueError(f"header length {n} does not fit the file's {size} bytes")
+    header = json.loads(os.pread(fd, n, 8))
     meta = header.pop("__metadata__", None) or {}
     out = {}
     for key in _PIECE_KEYS:
@@ -264,13 +264,58 @@ def _coverage(rid_dir: Path, ranges: list[tuple[int, str]], length: int) -> tupl
     return pos == length, None
 
 
-def assemble(
-    pieces: list[dict], sent: list[int], geo: Geometry, where: str
-) -> tuple[torch.Tensor, ...]:
-    """Concatenate pieces; check parity with the sent ids, shapes, dtype, finiteness."""
-    ids = _cat(pieces, "input_ids")
-    hidden = _cat(pieces, "hidden_states")
-    aux = _cat(pieces, "aux_hidden_states")
+@dataclass
+class Dump:
+    """A request's checked dump: ids in memory, hidden and aux rows still in the piece files.
+
+    ``hidden`` and ``aux`` are ``(fd, offset, nbytes, path)`` byte ranges, in row order,
+    read by ``ChunkWriter.put_files``.  The fds stay valid after the files are unlinked;
+    ``close`` (or ``with``) releases them, and with them the /dev/shm pages.
+    """
+
+    ids: torch.Tensor
+    hidden: list[tuple[int, int, int, str]]
+    aux: list[tuple[int, int, int, str]]
+    dtype: torch.dtype
+    hidden_shape: tuple[int, int]
+    aux_shape: tuple[int, int]
+    pieces: list[dict]
+
+    def close(self) -> None:
+        close_pieces(self.pieces)
+
+    def __enter__(self) -> Dump:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids, hidden, aux) read into memory (for callers that want the values)."""
+        out = []
+        for ranges, shape in ((self.hidden, self.hidden_shape), (self.aux, self.aux_shape)):
+            t = torch.empty(shape, dtype=self.dtype)
+            flat, pos = t.view(-1).view(torch.uint8), 0
+            for fd, offset, nbytes, _ in ranges:
+                _pread_into(fd, flat[pos : pos + nbytes], offset)
+                pos += nbytes
+            out.append(t)
+        return self.ids, out[0], out[1]
+
+
+def assemble(pieces: list[dict], sent: list[int], geo: Geometry, where: str) -> Dump:
+    """Check parity with the sent ids, shapes, dtype, aux layers and finiteness of a
+    request's pieces (from ``read_pieces``); on failure the pieces are closed."""
+    try:
+        return _assemble(pieces, sent, geo, where)
+    except BaseException:
+        close_pieces(pieces)
+        raise
+
+
+def _assemble(pieces: list[dict], sent: list[int], geo: Geometry, where: str) -> Dump:
+    parts = [p["input_ids"] for p in pieces]
+    ids = parts[0] if len(parts) == 1 else torch.cat(parts)
     sent_t = torch.tensor(sent, dtype=ids.dtype)
     if ids.shape != sent_t.shape or not torch.equal(ids, sent_t):
         bad = (ids != sent_t).nonzero()[:5].flatten().tolist() if ids.shape == sent_t.shape else []
@@ -279,34 +324,64 @@ def assemble(
             f"(len {ids.shape[0]} vs {len(sent)}, first differing positions {bad})"
         )
     k = len(geo.aux_layers)
-    if hidden.shape != (len(sent), geo.hidden_size) or aux.shape != (
-        len(sent),
-        k * geo.hidden_size,
-    ):
+    want = {"hidden_states": geo.hidden_size, "aux_hidden_states": k * geo.hidden_size}
+    shapes = {}
+    for key in want:
+        cols = {p["layout"][key][1][1] for p in pieces}
+        rows = sum(p["layout"][key][1][0] for p in pieces)
+        shapes[key] = (rows, cols.pop() if len(cols) == 1 else sorted(cols))
+    rows_ok = all(p["layout"][key][1][0] == p["input_ids"].shape[0] for p in pieces for key in want)
+    if not rows_ok or any(shapes[key] != (len(sent), want[key]) for key in want):
         raise ExtractionError(
-            f"{where}: dumped shapes hidden {tuple(hidden.shape)} aux {tuple(aux.shape)}, "
-            f"expected [{len(sent)}, {geo.hidden_size}] and [{len(sent)}, {k * geo.hidden_size}]"
+            f"{where}: dumped shapes hidden {shapes['hidden_states']} aux "
+            f"{shapes['aux_hidden_states']}, expected [{len(sent)}, {geo.hidden_size}] and "
+            f"[{len(sent)}, {k * geo.hidden_size}]"
         )
     layers = {p["meta"].get("aux_layers") for p in pieces}
     if layers != {json.dumps(geo.aux_layers)}:
         raise ExtractionError(
             f"{where}: server captured aux layers {layers}, expected {geo.aux_layers}"
         )
-    if hidden.dtype != geo.dtype or aux.dtype != geo.dtype:
+    dtypes = {p["layout"][key][0] for p in pieces for key in want}
+    if dtypes != {geo.dtype}:
         raise ExtractionError(
-            f"{where}: dumped dtype {hidden.dtype}, expected {geo.dtype} (model.dtype)"
+            f"{where}: dumped dtype {', '.join(sorted(map(str, dtypes)))}, expected "
+            f"{geo.dtype} (model.dtype)"
         )
-    if not (_all_finite(hidden) and _all_finite(aux)):
-        raise ExtractionError(f"{where}: non-finite values in the dumped hidden states")
-    return ids, hidden, aux
+    for p in pieces:
+        if not _piece_finite(p, want):
+            raise ExtractionError(f"{where}: non-finite values in the dumped hidden states")
+    ranges = {
+        key: [(p["fd"], *p["layout"][key][2:], str(p["path"])) for p in pieces] for key in want
+    }
+    return Dump(
+        ids=ids,
+        hidden=ranges["hidden_states"],
+        aux=ranges["aux_hidden_states"],
+        dtype=geo.dtype,
+        hidden_shape=shapes["hidden_states"],
+        aux_shape=shapes["aux_hidden_states"],
+        pieces=pieces,
+    )
 
 
-def _cat(pieces: list[dict], key: str) -> torch.Tensor:
-    whole = pieces[0].get("whole")
-    if whole is not None and all(p.get("whole") is whole for p in pieces):
-        return whole[key]  # read_pieces put every piece in place, in order
-    parts = [p[key] for p in pieces]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+def _piece_finite(piece: dict, keys: Iterable[str]) -> bool:
+    """Are the piece's float tensors all finite?  Checked through a private read-only
+    mapping of the file (no copy; tmpfs pages are mapped as they are)."""
+    size = os.fstat(piece["fd"]).st_size
+    if size == 0:
+        return True
+    with mmap.mmap(piece["fd"], size, access=mmap.ACCESS_COPY) as mm:
+        for key in keys:
+            dtype, shape, offset, nbytes = piece["layout"][key]
+            if not nbytes:
+                continue
+            t = torch.frombuffer(mm, dtype=dtype, count=math.prod(shape), offset=offset)
+            finite = _all_finite(t)
+            del t  # the mapping cannot close while a view of it lives
+            if not finite:
+                return False
+    return True
 
 
 def _all_finite(t: torch.Tensor) -> bool:
@@ -370,6 +445,13 @@ class Client:
         return resp.json()
 
     def extract(self, rid_prefix: str, record_id: str, ids: list[int]) -> tuple[torch.Tensor, ...]:
+        """(ids, hidden, aux) of one request, read into memory."""
+        with self.extract_dump(rid_prefix, record_id, ids) as dump:
+            return dump.tensors()
+
+    def extract_dump(self, rid_prefix: str, record_id: str, ids: list[int]) -> Dump:
+        """One request, checked; its pieces are unlinked, their bytes held by the ``Dump``
+        until it is closed (the caller closes it, after ``ChunkWriter.put_files``)."""
         where = f"record {record_id!r}"
         last: Exception | None = None
         for attempt in range(self.retries + 1):
@@ -429,6 +511,7 @@ def extract_chunk(
     *,
     chunk_path: Path,
     index_path: Path | None,
+    merged_path: Path | None = None,
     out_path: Path,
     sidecar_path: Path,
     ensure: Callable[[], dict],
@@ -441,14 +524,12 @@ def extract_chunk(
 
     name = Path(chunk_path).stem
     t0 = time.monotonic()
-    records = load_chunk(Path(chunk_path), Path(index_path) if index_path else None)
-    max_len = int(cfg["max_seq_len"])
-    for r in records:
-        if len(r.input_ids) > max_len:
-            raise ExtractionError(
-                f"{chunk_path}:{r.line}: record {r.id!r} has {len(r.input_ids)} tokens > "
-                f"max_seq_len {max_len}; the merge stage should have handled it: rerun merge"
-            )
+    records = load_chunk(
+        Path(chunk_path),
+        Path(index_path) if index_path else None,
+        max_seq_len=int(cfg["max_seq_len"]),
+        merged=Path(merged_path) if merged_path else None,
+    )
     geo = model_geometry(cfg)
     budget_bytes = int(float(cfg["dump"]["shm_budget_gb"]) * 2**30)
     longest_rec = max(records, key=lambda r: len(r.input_ids), default=None)
@@ -504,11 +585,12 @@ def extract_chunk(
         need = len(rec.input_ids) * geo.dump_bytes_per_token
         try:
             shm.acquire(need)
-            try:
-                ids, hidden, aux = client.extract(f"{name}-{j:06d}", rec.id, rec.input_ids)
+            try:  # the budget is held until the pieces' bytes are freed (dump closed)
+                with client.extract_dump(f"{name}-{j:06d}", rec.id, rec.input_ids) as dump:
+                    mask = torch.tensor(rec.loss_mask, dtype=torch.uint8)
+                    writer.put_files(j, dump.ids, mask, dump.hidden, dump.aux, dump.dtype)
             finally:
                 shm.release(need)
-            writer.put(j, ids, torch.tensor(rec.loss_mask, dtype=torch.uint8), hidden, aux)
         except BaseException as exc:
             first_error.append(exc)  # list.append is atomic
             client.stop.set()  # other threads finish their request, retry nothing

@@ -127,11 +127,17 @@ def run_dir(cfg: dict) -> Path:
 
 
 def dump_dir(cfg: dict) -> Path:
-    """Per-user, per-run dump dir on /dev/shm unless configured; never shared between users."""
+    """Per-user, per-run dump dir on /dev/shm unless configured; never shared between users.
+
+    The output root's hash is in the name too: two checkouts of the same config on one
+    host must not share (or stale-delete) each other's in-flight pieces.
+    """
     configured = cfg.get("dump", {}).get("dir")
     if configured:
         return Path(configured)
-    return Path("/dev/shm") / f"hsextract-{getpass.getuser()}-{os.getuid()}-{fingerprint(cfg)}"
+    root = hashlib.sha256(str(Path(cfg["output_root"]).resolve()).encode()).hexdigest()[:6]
+    name = f"hsextract-{getpass.getuser()}-{os.getuid()}-{fingerprint(cfg)}-{root}"
+    return Path("/dev/shm") / name
 
 
 def public_config(cfg: dict) -> dict:

@@ -989,11 +989,45 @@ def split_chunks(
                 "max_len": max(lens, default=0),
                 "bytes": len(data),
                 "sha256": hashlib.sha256(data).hexdigest(),
+                # Where each line sits in train.jsonl: a lost chunk file is rebuilt from
+                # these (restore_chunk) without re-splitting, so nothing else reruns.
+                "lines": [[offsets[i], lengths[i]] for i in members],
             }
         )
     index = {"format": 1, "source": merged.name, "chunks": chunks}
     _write_atomic(Path(index_out), _dump_json(index))
     return chunks
+
+
+def restore_chunk(path: Path, index: Path, merged: Path) -> None:
+    """Rebuild a missing chunk file from train.jsonl and the index, byte for byte.
+
+    The split is recorded as line offsets, so one chunk comes back without re-splitting
+    (which would restamp every chunk and make Snakemake redo finished extractions).  The
+    result must hash to the index's sha256, else train.jsonl itself changed.
+    """
+    path, merged = Path(path), Path(merged)
+    entry = _index_entry(path, index)
+    if "lines" not in entry:
+        raise ChunkInputError(
+            f"{index} predates line offsets; rerun split_chunks to rebuild {path}"
+        )
+    parts = []
+    try:
+        with open(merged, "rb") as f:
+            for offset, length in entry["lines"]:
+                f.seek(offset)
+                parts.append(f.read(length) + b"\n")
+    except OSError as e:
+        raise ChunkInputError(f"cannot rebuild {path} from {merged}: {e}") from e
+    data = b"".join(parts)
+    if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
+        raise ChunkInputError(
+            f"cannot rebuild {path}: {merged} changed after split_chunks (its lines no longer "
+            f"hash to the index's sha256); rerun merge_and_shuffle and split_chunks"
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomic(path, data)
 
 
 def _index_entry(path: Path, index: Path) -> dict[str, Any]:
@@ -1015,14 +1049,18 @@ def load_chunk(
     *,
     max_seq_len: int | None = None,
     vocab_size: int | None = None,
+    merged: Path | None = None,
 ) -> list[Record]:
     """Read a chunk for the extraction client, refusing anything changed since the split.
 
     With an index the file's sha256 must match (a truncated or edited chunk fails naming
     the file).  Every line is re-validated; ``max_seq_len`` (the config's one value)
-    makes an over-long record an error instead of a silently clipped request.
+    makes an over-long record an error instead of a silently clipped request.  A missing
+    chunk file is rebuilt from ``merged`` (train.jsonl) when given.
     """
     path = Path(path)
+    if not path.exists() and merged is not None and index is not None:
+        restore_chunk(path, index, merged)
     try:
         data = path.read_bytes()
     except OSError as e:
@@ -1034,7 +1072,8 @@ def load_chunk(
             raise ChunkInputError(
                 f"chunk {path} changed after split_chunks: sha256 {got[:16]}... != "
                 f"{str(entry.get('sha256'))[:16]}... in {index} ({len(data)} bytes, index "
-                f"says {entry.get('bytes')}); delete {path} and rerun split_chunks"
+                f"says {entry.get('bytes')}); delete {path} and rerun: the next run rebuilds "
+                "it from merged/train.jsonl"
             )
     limits = _Limits(vocab_size or INT32_BOUND, None, "truncate")
     records = []

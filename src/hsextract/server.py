@@ -156,7 +156,8 @@ def start(spec: ServerSpec, *, owner: int | None = None) -> dict:
         "spec": asdict(spec),
     }
     deadline = time.monotonic() + spec.health_timeout_s
-    api_key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
+    # The key the client will send, whether or not the recorded spec knew of one.
+    api_key = os.environ.get(spec.api_key_env or API_KEY_ENV)
     while True:
         if proc.poll() is not None:
             stop(state)
@@ -262,8 +263,7 @@ def is_serving(state: dict | None, fingerprint: str) -> bool:
     spec = state.get("spec", {})
     if spec.get("fingerprint") != fingerprint:
         return False
-    key_env = spec.get("api_key_env")
-    return health(state["url"], api_key=os.environ.get(key_env) if key_env else None)
+    return health(state["url"], api_key=os.environ.get(spec.get("api_key_env") or API_KEY_ENV))
 
 
 def ensure(server_json: Path, *, gate=None) -> dict:

@@ -240,6 +240,7 @@ def extract_chunk(sm: Any) -> None:
         cfg,
         chunk_path=Path(sm.params.chunk),
         index_path=Path(sm.input.index),
+        merged_path=Path(sm.input.merged),
         out_path=Path(sm.output.hidden),
         sidecar_path=Path(sm.output.sidecar),
         ensure=ensure,

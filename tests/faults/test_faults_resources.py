@@ -135,7 +135,7 @@ def test_chunk_input_truncated_or_edited_after_split(run: FaultRun):
         out,
         f"chunk {chunk.relative_to(run.workdir)} changed after split_chunks: sha256",
         f"({len(original) // 2} bytes, index says {len(original)}); delete ",
-        "and rerun split_chunks",
+        "the next run rebuilds it from merged/train.jsonl",
     )
     # Edited, same length: one token id changed.
     i = original.index(b'"input_ids":[') + len(b'"input_ids":[')
@@ -145,6 +145,8 @@ def test_chunk_input_truncated_or_edited_after_split(run: FaultRun):
     run.assert_failed_cleanly(
         out, "changed after split_chunks", f"({len(original)} bytes, index says {len(original)})"
     )
-    # The fault removed (the file restored), the rerun equals an uninterrupted run.
-    chunk.write_bytes(original)
+    # The advice followed: the edited file deleted, the rerun rebuilds it from train.jsonl
+    # and equals an uninterrupted run, with nothing else redone.
+    chunk.unlink()
     run.rerun_matches()
+    assert chunk.read_bytes() == original
