@@ -47,6 +47,15 @@ def test_dry_run_lists_every_stage_and_chunk_without_loading_a_model(tmp_path):
     assert not (workdir / "results").exists(), "a dry run must not write outputs"
 
 
+def test_success_leaves_no_dump_dir_in_shm(demo_run, monkeypatch):
+    from hsextract.config import dump_dir, load_config
+
+    monkeypatch.chdir(demo_run["workdir"])
+    ddir = dump_dir(load_config("config.yaml"))
+    assert str(ddir).startswith("/dev/shm/hsextract-")
+    assert not ddir.exists(), f"{ddir} left in /dev/shm (RAM) after a successful run"
+
+
 def test_extract_all_writes_contract_chunks_and_manifest(demo_run):
     rd, manifest = demo_run["run_dir"], demo_run["manifest"]
     assert manifest["totals"]["chunks"] == 4

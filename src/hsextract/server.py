@@ -304,13 +304,20 @@ def _with_port(argv: list[str], port: int) -> list[str]:
 
 
 def stop_live(state_dir: Path) -> bool:
-    """Stop this host's live server of a run dir, if any; used by onsuccess/onerror."""
+    """Stop this host's live server of a run dir, if any; used by onsuccess/onerror.
+
+    Its dump dir goes too when empty: it is the recorded one, which may differ from what
+    the current config would pick (a moved project relaunches from the record).
+    """
     live = live_path(state_dir)
     state = read_json(live)
     if not state:
         return False
     stop(state)
     live.unlink(missing_ok=True)
+    dump = state.get("spec", {}).get("dump_dir")
+    if dump:
+        remove_dump_dir_if_empty(Path(dump))
     return True
 
 
