@@ -63,15 +63,15 @@ class Geometry:
 
 
 def model_geometry(cfg: dict) -> Geometry:
-    from hsextract.config import resolve_aux_layers
+    from hsextract.config import read_model_config, resolve_aux_layers
     from hsextract.engine import DTYPES
 
-    path = Path(cfg["model"]["path"]) / "config.json"
     try:
-        mcfg = json.loads(path.read_text())
+        mcfg = read_model_config(cfg)
     except (OSError, ValueError) as exc:
-        raise ExtractionError(f"cannot read the model config {path}: {exc} (model.path)") from exc
-    mcfg = mcfg.get("text_config", mcfg)
+        raise ExtractionError(
+            f"cannot read the model config in {cfg['model']['path']}: {exc} (model.path)"
+        ) from exc
     layers = int(mcfg["num_hidden_layers"])
     return Geometry(
         hidden_size=int(mcfg["hidden_size"]),
@@ -100,66 +100,78 @@ class ByteBudget:
             self.cond.notify_all()
 
 
-def read_pieces(
-    rid_dir: Path, length: int, timeout_s: float, *, completed: bool = True
-) -> list[dict]:
-    """Wait until the pieces of a request cover [0, length) exactly once; load them."""
+def read_pieces(rid_dir: Path, length: int, timeout_s: float) -> list[dict]:
+    """Wait until the pieces of a request cover [0, length) exactly once; open them.
+
+    Each piece is opened and its header parsed once, when it first appears (the writer
+    renames a piece into place whole, so what is visible is complete); polls only look
+    for new names.  The piece stays open (its fd keeps the bytes even once the file is
+    unlinked) and only its small ids tensor is read: the hidden and aux rows never enter
+    Python memory.  ``assemble`` checks them through a read-only mapping and
+    ``ChunkWriter.put_files`` copies them file to file in the kernel (bench/pack.py: the
+    copies into fresh memory and their page faults cost more than the copy itself).
+    """
     deadline = time.monotonic() + timeout_s
     delay = 0.002
-    while True:
-        names = sorted(p.name for p in rid_dir.glob(f"*{PIECE_SUFFIX}")) if rid_dir.is_dir() else []
-        ranges = []
-        for name in names:
-            try:
-                start = int(name.removesuffix(PIECE_SUFFIX))
-            except ValueError:
-                raise ExtractionError(f"unexpected file {rid_dir / name} in the dump dir") from None
-            ranges.append((start, name))
-        covered, problem = _coverage(rid_dir, ranges, length)
-        if problem:
-            raise ExtractionError(problem)
-        if covered:
-            break
-        if time.monotonic() > deadline:
-            have = [(s, s + n) for s, n in _known_lengths(rid_dir, ranges)]
-            raise ExtractionError(
-                f"dump pieces of {rid_dir.name} cover {have} after the request completed, "
-                f"not [0, {length}) (waited {timeout_s:.0f}s, client.piece_timeout_s): "
-                "the server dropped part of the prefill"
-            )
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)
-    # Each piece stays open (its fd keeps the bytes even once the file is unlinked); only
-    # the small ids tensor is read.  The hidden and aux rows never enter Python memory:
-    # ``assemble`` checks them through a read-only mapping and ``ChunkWriter.put_files``
-    # copies them file to file in the kernel (bench/pack.py: the copies into fresh memory
-    # and their page faults cost more than the copy itself).
-    pieces: list[dict] = []
+    opened: dict[str, dict] = {}
     try:
-        for start, name in ranges:
-            path = rid_dir / name
-            piece: dict = {"start": start, "path": path, "fd": -1}
-            pieces.append(piece)
-            try:
-                fd = piece["fd"] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-                meta, lay = _piece_layout(fd)
-                dtype, shape, offset, _ = lay["input_ids"]
-                ids = torch.empty(shape, dtype=dtype)
-                _pread_into(fd, ids, offset)
-            except OSError as exc:
-                if exc.errno not in (errno.EMFILE, errno.ENFILE):
-                    raise ExtractionError(f"corrupt dump piece {path}: {exc}") from exc
+        while True:
+            names = (
+                sorted(p.name for p in rid_dir.glob(f"*{PIECE_SUFFIX}")) if rid_dir.is_dir() else []
+            )
+            for name in names:
+                if name not in opened:
+                    try:
+                        start = int(name.removesuffix(PIECE_SUFFIX))
+                    except ValueError:
+                        raise ExtractionError(
+                            f"unexpected file {rid_dir / name} in the dump dir"
+                        ) from None
+                    opened[name] = _open_piece(rid_dir / name, start, opened)
+            pieces = sorted(opened.values(), key=lambda p: p["start"])
+            covered, problem = _coverage(rid_dir.name, pieces, length)
+            if problem:
+                raise ExtractionError(problem)
+            if covered:
+                return pieces
+            if time.monotonic() > deadline:
+                have = [(p["start"], p["start"] + p["n"]) for p in pieces]
                 raise ExtractionError(
-                    f"cannot open dump piece {path}: {exc} (a request's pieces stay open until "
-                    "its rows are copied: raise the open-files limit, ulimit -n)"
-                ) from exc
-            except Exception as exc:
-                raise ExtractionError(f"corrupt dump piece {path}: {exc}") from exc
-            piece.update(meta=meta, layout=lay, input_ids=ids)
+                    f"dump pieces of {rid_dir.name} cover {have} after the request completed, "
+                    f"not [0, {length}) (waited {timeout_s:.0f}s, client.piece_timeout_s): "
+                    "the server dropped part of the prefill"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
     except BaseException:
-        close_pieces(pieces)
+        close_pieces(list(opened.values()))
         raise
-    return pieces
+
+
+def _open_piece(path: Path, start: int, opened: dict[str, dict]) -> dict:
+    """Open one piece, check its header against the file, read its ids."""
+    piece: dict = {"start": start, "path": path, "fd": -1}
+    opened[path.name] = piece  # registered first, so a failure below still closes its fd
+    try:
+        fd = piece["fd"] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        meta, lay = _piece_layout(fd)
+        dtype, shape, offset, _ = lay["input_ids"]
+        ids = torch.empty(shape, dtype=dtype)
+        _pread_into(fd, ids, offset)
+    except OSError as exc:
+        if exc.errno not in (errno.EMFILE, errno.ENFILE):
+            raise ExtractionError(f"corrupt dump piece {path}: {exc}") from exc
+        raise ExtractionError(
+            f"cannot open dump piece {path}: {exc} (a request's pieces stay open until "
+            "its rows are copied: raise the open-files limit, ulimit -n)"
+        ) from exc
+    except Exception as exc:
+        raise ExtractionError(
+            f"corrupt dump piece {path}: unreadable ({type(exc).__name__}: {str(exc)[:200]}; "
+            f"{_size(path)})"
+        ) from exc
+    piece.update(meta=meta, layout=lay, input_ids=ids, n=int(ids.shape[0]))
+    return piece
 
 
 def close_pieces(pieces: list[dict]) -> None:
@@ -212,31 +224,6 @@ def _pread_into(fd: int, t: torch.Tensor, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def _known_lengths(rid_dir: Path, ranges: list[tuple[int, str]]) -> list[tuple[int, int]]:
-    from safetensors import safe_open
-
-    out = []
-    for start, name in ranges:
-        try:
-            with safe_open(str(rid_dir / name), framework="pt") as f:
-                out.append((start, int((f.metadata() or {}).get("n", -1))))
-        except Exception:
-            out.append((start, -1))
-    return out
-
-
-def _why_unreadable(path: Path) -> str:
-    """What is wrong with a piece whose header could not be read (for the error message)."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            n = (f.metadata() or {}).get("n")
-    except Exception as exc:
-        return f"unreadable ({type(exc).__name__}: {str(exc)[:200]}; {_size(path)})"
-    return f"its header has no valid token count (n={n!r})"
-
-
 def _size(path: Path) -> str:
     try:
         return f"{path.stat().st_size} bytes"
@@ -244,23 +231,18 @@ def _size(path: Path) -> str:
         return f"size unknown: {exc}"
 
 
-def _coverage(rid_dir: Path, ranges: list[tuple[int, str]], length: int) -> tuple[bool, str | None]:
-    """(complete?, problem) over the pieces present; overlap is a problem, a gap is 'wait'."""
+def _coverage(rid: str, pieces: list[dict], length: int) -> tuple[bool, str | None]:
+    """(complete?, problem) over the pieces present, by start; overlap is a problem, a gap
+    is 'wait'."""
     pos = 0
-    for start, n in _known_lengths(rid_dir, ranges):
-        if n < 0:
-            path = rid_dir / f"{start:09d}{PIECE_SUFFIX}"
-            return False, f"corrupt dump piece {path}: {_why_unreadable(path)}"
-        if start < pos:
-            return False, f"dump pieces of {rid_dir.name} overlap at token {start} (< {pos})"
-        if start > pos:
+    for p in pieces:
+        if p["start"] < pos:
+            return False, f"dump pieces of {rid} overlap at token {p['start']} (< {pos})"
+        if p["start"] > pos:
             return False, None
-        pos = start + n
+        pos = p["start"] + p["n"]
     if pos > length:
-        return (
-            False,
-            f"dump pieces of {rid_dir.name} run to token {pos}, past the request's {length}",
-        )
+        return False, f"dump pieces of {rid} run to token {pos}, past the request's {length}"
     return pos == length, None
 
 

@@ -17,12 +17,11 @@ from typing import Any
 
 import yaml
 
+from hsextract.convention import CAPTURE_CONVENTION, default_aux_layers
 from hsextract.errors import ConfigError
 
 #: Bump when the capture convention or file layout changes what a run writes.
 FORMAT_VERSION = "1"
-#: The residual stream entering each aux layer plus the final post-norm state (DESIGN.md).
-CAPTURE_CONVENTION = "eagle3-residual-entering-layer+final-norm"
 #: Marks a directory as created by this pipeline; stale deletion only ever removes those.
 RUN_MARKER = ".hsextract-run"
 
@@ -75,11 +74,6 @@ def is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def default_aux_layers(num_layers: int) -> list[int]:
-    """SGLang's EAGLE-3 default: the residual stream entering layers 2, L//2 and L-3."""
-    return [2, num_layers // 2, num_layers - 3]
-
-
 def resolve_aux_layers(cfg: dict, num_layers: int) -> list[int]:
     layers = cfg.get("aux_layers")
     layers = default_aux_layers(num_layers) if layers is None else list(layers)
@@ -87,6 +81,12 @@ def resolve_aux_layers(cfg: dict, num_layers: int) -> list[int]:
         if not 0 <= layer < num_layers:
             raise ConfigError(f"aux_layers {layers}: layer {layer} outside [0, {num_layers})")
     return layers
+
+
+def read_model_config(cfg: dict) -> dict:
+    """The model's HF config.json (its text part for multimodal checkpoints)."""
+    data = json.loads((Path(cfg["model"]["path"]) / "config.json").read_text())
+    return data.get("text_config", data)
 
 
 def model_identity(cfg: dict) -> dict:

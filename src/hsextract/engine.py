@@ -33,6 +33,7 @@ import torch
 
 from hsextract import __version__, faults
 from hsextract.capture import DumpWriter, get_writer
+from hsextract.convention import default_aux_layers
 
 log = logging.getLogger("hsextract.engine")
 
@@ -84,8 +85,9 @@ class ModelRunner:
         self.config = self.model.config
         self.num_layers = int(self.config.num_hidden_layers)
         self.hidden_size = int(self.config.hidden_size)
-        n = self.num_layers
-        self.aux_layers = list(aux_layers) if aux_layers is not None else [2, n // 2, n - 3]
+        self.aux_layers = (
+            list(aux_layers) if aux_layers is not None else default_aux_layers(self.num_layers)
+        )
         self.writer = writer
         self.batch_invariant = batch_invariant
         params = inspect.signature(self.model.model.forward).parameters

@@ -34,15 +34,11 @@ from typing import Any
 import torch
 
 from hsextract.capture import AUX_LAYERS_ENV, DumpWriter, get_writer
+from hsextract.convention import default_aux_layers
 
 #: The inner ``DeepseekV2Model`` is ``self.model`` of ``DeepseekV2ForCausalLM``.
 HOOK_TARGET_MODULE = "model"
 HOOK_FACTORY_PATH = "hsextract.hooks:dump_hook_factory"
-
-
-def eagle3_default_layers(num_hidden_layers: int) -> list[int]:
-    """SGLang's EAGLE-3 layers, as ``set_eagle3_layers_to_capture(None)`` sets them."""
-    return [2, num_hidden_layers // 2, num_hidden_layers - 3]
 
 
 def _dumping_forward(forward_batch: Any, tp_rank: int, model: Any) -> bool:
@@ -112,7 +108,7 @@ class ForwardDump:
 
 def _layers_for(writer: DumpWriter, num_hidden_layers: int) -> list[int]:
     layers = writer.aux_layers
-    return list(layers) if layers is not None else eagle3_default_layers(num_hidden_layers)
+    return list(layers) if layers is not None else default_aux_layers(num_hidden_layers)
 
 
 def begin_forward(model: Any, forward_batch: Any, *, tp_rank: int) -> ForwardDump | None:
@@ -193,7 +189,6 @@ __all__ = [
     "ForwardDump",
     "begin_forward",
     "dump_hook_factory",
-    "eagle3_default_layers",
     "forward_hooks_spec",
     "make_dump_hook",
 ]

@@ -26,7 +26,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hsextract.config import default_aux_layers, is_loopback
+from hsextract.config import is_loopback, read_model_config
+from hsextract.convention import default_aux_layers
 from hsextract.errors import ConfigError
 
 #: SGLang 0.5.23 accepts an input of n tokens iff n < context_length - 6 (see module doc).
@@ -190,8 +191,7 @@ def _aux_layers(cfg: dict) -> list[int] | None:
     if cfg.get("aux_layers") is not None:
         return list(cfg["aux_layers"])
     try:
-        hf = json.loads((Path(cfg["model"]["path"]) / "config.json").read_text())
-        return default_aux_layers(int(hf["num_hidden_layers"]))
+        return default_aux_layers(int(read_model_config(cfg)["num_hidden_layers"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None  # the server applies the same default from the loaded model
 

@@ -14,7 +14,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hsextract.config import RUN_MARKER, dump_dir, fingerprint, public_config, run_dir
+from hsextract.config import (
+    RUN_MARKER,
+    dump_dir,
+    fingerprint,
+    public_config,
+    read_model_config,
+    run_dir,
+)
 from hsextract.server import write_json
 
 log = logging.getLogger("hsextract")
@@ -27,12 +34,6 @@ def _mark_run_dir(cfg: dict) -> Path:
     if not marker.exists():
         write_json(marker, {"fingerprint": fingerprint(cfg), "config": public_config(cfg)})
     return rd
-
-
-def _model_config(cfg: dict) -> dict:
-    path = Path(cfg["model"]["path"]) / "config.json"
-    data = json.loads(path.read_text())
-    return data.get("text_config", data)
 
 
 def demo_data(sm: Any) -> None:
@@ -55,7 +56,7 @@ def merge_and_shuffle(sm: Any) -> None:
     from hsextract.records import merge_and_shuffle as merge
 
     _mark_run_dir(sm.config)
-    vocab = _model_config(sm.config).get("vocab_size")
+    vocab = read_model_config(sm.config).get("vocab_size")
     stats = merge(
         list(sm.input.shards),
         Path(sm.output.train).parent,
