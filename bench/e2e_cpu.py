@@ -58,8 +58,13 @@ def main() -> None:
 
     wd = Path(tempfile.mkdtemp(prefix="hsextract-bench-e2e-"))
     try:
-        demo = {"hidden_size": args.hidden, "num_hidden_layers": args.layers, "vocab_size": VOCAB}
-        build_demo_model(wd / "model", demo, MAX_LEN, seed=0)
+        demo = {
+            "seed": 0,
+            "hidden_size": args.hidden,
+            "num_hidden_layers": args.layers,
+            "vocab_size": VOCAB,
+        }
+        build_demo_model(wd / "model", demo)
         rng = random.Random(0)
         records = []
         for i in range(args.records):

@@ -1,12 +1,25 @@
 import glob
+import hashlib
+import json
 import os
+import sys
 from pathlib import Path
 
 from snakemake.utils import validate
 
-from hsextract.config import check_semantics, dump_dir, fingerprint, run_dir
+from hsextract.config import (
+    check_semantics,
+    coerce_to_schema,
+    dump_dir,
+    fingerprint,
+    launch_settings,
+    run_dir,
+)
 from hsextract.server import OWNER_ENV, pid_alive, remove_dump_dir_if_empty, stop_live
+from hsextract.records import ASSIGNMENT
+from hsextract.stale import hold_run_lock, preview
 
+coerce_to_schema(config)  # --config aux_layers=[1,3,5] arrives as strings
 validate(config, schema="../schemas/config.schema.yaml", set_default=True)
 check_semantics(config)
 
@@ -17,7 +30,8 @@ MODEL_DIR = Path(config["model"]["path"])
 
 # Servers started by this workflow are owned by this process: the watchdog stops them
 # when it exits.  Jobs inherit the variable; a nested Snakemake keeps its parent's owner.
-if not pid_alive(os.environ.get(OWNER_ENV)):
+MAIN = not pid_alive(os.environ.get(OWNER_ENV))
+if MAIN:
     os.environ[OWNER_ENV] = str(os.getpid())
 
 
@@ -42,8 +56,99 @@ def input_shards(wildcards=None):
     return found
 
 
+def chunk_inputs(wildcards):
+    """A chunk job's inputs once plan_chunks has run (Snakemake re-evaluates it then).
+
+    The plan is the trigger: newer than the chunk's output if the plan lists the chunk,
+    ancient() otherwise, so only chunks whose records changed are redone.
+    """
+    from hsextract.plan import to_extract
+
+    plan = checkpoints.plan_chunks.get().output.plan
+    redo = f"chunk_{wildcards.chunk}" in to_extract(plan)
+    return {
+        "plan": plan if redo else ancient(plan),
+        "index": ancient(run_path("chunks/index.json")),
+        "merged": ancient(run_path("merged/train.jsonl")),
+        "server": ancient(run_path("state/server.json")),
+    }
+
+
+def settings_key(values):
+    return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+# What each stage's outputs depend on beyond its input files, named in one of its outputs
+# (and asked for by extract_all): a changed setting is a missing output, so the stage
+# reruns -- from file names alone, with or without Snakemake's metadata (.snakemake/,
+# which the params trigger needs and which a copied run dir, or one whose .snakemake was
+# removed to clear a lock, does not have).
+MERGE_SETTINGS = {
+    "max_seq_len": config["max_seq_len"],
+    "overlength": config["merge"]["overlength"],
+    "seed": config["seed"],
+    "inputs": [os.path.normpath(p) for p in input_shards()],
+}
+SPLIT_SETTINGS = {"n_chunks": config["n_chunks"], "assignment": ASSIGNMENT}
+LAUNCH_SETTINGS = launch_settings(config)
+
+
+def settings_file(where, stage, values):
+    return run_path(where, f"{stage}-{settings_key(values)}.json")
+
+
+DEMO = config["demo"]
+DEMO_DATA_SETTINGS = {
+    "demo": {k: DEMO[k] for k in ("seed", "n_records", "n_shards", "vocab_size")},
+    "max_seq_len": config["max_seq_len"],
+}
+DEMO_MODEL_SETTINGS = {
+    "demo": {k: DEMO[k] for k in ("seed", "num_hidden_layers", "hidden_size", "vocab_size")}
+}
+DEMO_DATA_SETTINGS_FILE = (
+    f"{config['output_root']}/demo/data/settings-{settings_key(DEMO_DATA_SETTINGS)}.json"
+)
+DEMO_MODEL_SETTINGS_FILE = str(MODEL_DIR / f"settings-{settings_key(DEMO_MODEL_SETTINGS)}.json")
+
+
+def settings_files():
+    """Every stage's settings file: extract_all asks for them (see the Snakefile)."""
+    files = [
+        settings_file("merged", "settings", MERGE_SETTINGS),
+        settings_file("chunks", "settings", SPLIT_SETTINGS),
+        settings_file("state", "launch", LAUNCH_SETTINGS),
+    ]
+    if DEMO["enabled"]:
+        files += [DEMO_DATA_SETTINGS_FILE, DEMO_MODEL_SETTINGS_FILE]
+    return files
+
+
 def model_config_file():
     return str(MODEL_DIR / "config.json")
+
+
+def show_stale_plan():
+    """What delete_stale_states would remove and keep, printed at planning (also for -n)."""
+    lines = preview(
+        Path(config["output_root"]),
+        RUN,
+        dump_root=dump_dir(config).parent,
+        keep_runs=config["stale"]["keep_runs"],
+        delete_finished=config["stale"]["delete_finished"],
+    )
+    if lines:
+        mode = " (stale.dry_run: reported only)" if config["stale"]["dry_run"] else ""
+        print(f"hsextract: stale states under {config['output_root']}{mode}:", file=sys.stderr)
+        print("\n".join(lines), file=sys.stderr)
+
+
+if MAIN and workflow.is_main_process:
+    show_stale_plan()
+
+
+def hold_run():
+    """While this workflow runs, stale deletion elsewhere leaves this run dir alone."""
+    hold_run_lock(RUN, int(os.environ[OWNER_ENV]))
 
 
 def stop_servers():

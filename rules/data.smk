@@ -6,15 +6,13 @@ rule merge_and_shuffle:
         train=run_path("merged/train.jsonl"),
         stats=run_path("merged/stats.json"),
         rejects=run_path("merged/rejects.jsonl"),
+        settings=settings_file("merged", "settings", MERGE_SETTINGS),
     log:
         run_path("logs/merge_and_shuffle.log"),
     benchmark:
         run_path("benchmarks/merge_and_shuffle.tsv")
     params:
-        max_seq_len=config["max_seq_len"],
-        overlength=config["merge"]["overlength"],
-        seed=config["seed"],
-        max_reject_fraction=config["merge"]["max_reject_fraction"],
+        settings=MERGE_SETTINGS,
     conda:
         "../envs/hsextract.yaml"
     script:
@@ -27,10 +25,13 @@ rule split_chunks:
     output:
         index=run_path("chunks/split.json"),
         chunks=expand(run_path("chunks/chunk_{chunk}.jsonl"), chunk=CHUNK_IDS),
+        settings=settings_file("chunks", "settings", SPLIT_SETTINGS),
     log:
         run_path("logs/split_chunks.log"),
     benchmark:
         run_path("benchmarks/split_chunks.tsv")
+    params:
+        settings=SPLIT_SETTINGS,
     conda:
         "../envs/hsextract.yaml"
     script:
@@ -69,6 +70,7 @@ rule delete_stale_states:
     params:
         keep_runs=config["stale"]["keep_runs"],
         dry_run=config["stale"]["dry_run"],
+        delete_finished=config["stale"]["delete_finished"],
     conda:
         "../envs/hsextract.yaml"
     script:

@@ -1,16 +1,18 @@
 # The embedded default builds its own inputs and model; real configs set demo.enabled false.
+# Each names its settings in an output (see settings_file in common.smk): a change of one
+# rebuilds what it changes and nothing else.
 if config["demo"]["enabled"]:
 
     rule demo_data:
         output:
             shards=demo_shards(),
+            settings=DEMO_DATA_SETTINGS_FILE,
         log:
             f"{config['output_root']}/demo/logs/demo_data.log",
         benchmark:
             f"{config['output_root']}/demo/benchmarks/demo_data.tsv"
         params:
-            demo=config["demo"],
-            seed=config["seed"],
+            demo=DEMO_DATA_SETTINGS["demo"],
             max_seq_len=config["max_seq_len"],
         conda:
             "../envs/hsextract.yaml"
@@ -21,14 +23,13 @@ if config["demo"]["enabled"]:
         output:
             config=model_config_file(),
             weights=str(MODEL_DIR / "model.safetensors"),
+            settings=DEMO_MODEL_SETTINGS_FILE,
         log:
             f"{config['output_root']}/demo/logs/demo_model.log",
         benchmark:
             f"{config['output_root']}/demo/benchmarks/demo_model.tsv"
         params:
-            demo=config["demo"],
-            seed=config["seed"],
-            max_seq_len=config["max_seq_len"],
+            demo=DEMO_MODEL_SETTINGS["demo"],
         conda:
             "../envs/hsextract.yaml"
         script:

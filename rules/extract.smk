@@ -1,15 +1,39 @@
-# Upstream inputs through ancient(): a relaunched server or a re-stamped state file must
-# never make finished chunks look out of date.  A changed chunk input is still caught:
-# the client checks each chunk file's sha256 against chunks/index.json.
-# The chunk's records file is a param, reached through the index (see chunk_index in
-# data.smk): as an input, each lookup scans all n_chunks outputs of split_chunks, which
-# made `snakemake -n` quadratic (bench/plan.py).  A missing one is rebuilt from
-# train.jsonl at the line offsets the index records, so nothing else reruns.
+# Which chunks to (re-)extract is decided by plan_chunks, a checkpoint: only once the merge
+# and split have run is it known whose records changed.  After it, each chunk job is
+# re-evaluated with the plan as its trigger input (see chunk_inputs in common.smk): newer
+# than its output when the chunk must be redone, ancient() when it is current.
+#
+# The checkpoint depends on every stage a chunk job depends on, so all of them have
+# finished when the chunk jobs are re-evaluated.  That is not style: Snakemake 9 (dag.py,
+# update_needrun) skips evaluating a job that lies downstream of a job still to run, and
+# then does not schedule it if every edge on the way is an existing ancient() file, so a
+# chunk whose records changed would silently be kept (tests/test_reruns.py checks this).
+checkpoint plan_chunks:
+    input:
+        index=run_path("chunks/index.json"),
+        stats=run_path("merged/stats.json"),
+        server=run_path("state/server.json"),
+    output:
+        plan=run_path("state/plan.json"),
+    log:
+        run_path("logs/plan_chunks.log"),
+    benchmark:
+        run_path("benchmarks/plan_chunks.tsv")
+    conda:
+        "../envs/hsextract.yaml"
+    script:
+        "../scripts/plan_chunks.py"
+
+
+# Upstream inputs through ancient(): a relaunched server or a re-stamped state file never
+# makes a finished chunk look out of date; the plan alone decides.  The chunk's records
+# file is a param, reached through the index (see chunk_index in data.smk): as an input,
+# each lookup scans all n_chunks outputs of split_chunks, which made `snakemake -n`
+# quadratic (bench/plan.py).  A missing one is rebuilt from train.jsonl at the line
+# offsets the index records, so nothing else reruns.
 rule extract_chunk:
     input:
-        index=ancient(run_path("chunks/index.json")),
-        merged=ancient(run_path("merged/train.jsonl")),
-        server=ancient(run_path("state/server.json")),
+        unpack(chunk_inputs),
     output:
         hidden=run_path("hidden/chunk_{chunk}.safetensors"),
         sidecar=run_path("hidden/chunk_{chunk}.json"),
@@ -30,6 +54,7 @@ rule extract_chunk:
 rule manifest:
     input:
         sidecars=expand(run_path("hidden/chunk_{chunk}.json"), chunk=CHUNK_IDS),
+        index=run_path("chunks/index.json"),
         stats=run_path("merged/stats.json"),
     output:
         manifest=run_path("manifest.json"),

@@ -29,17 +29,24 @@ rule gpu_gate:
 
 
 # The server outlives this job: chunk jobs take server.json through ancient() and
-# ensure() it is alive, relaunching from this record if it is gone.
+# ensure() a server with the config's settings is alive, starting one if it is gone.
+# It starts only when some chunk needs extracting (see steps.launch_server).  The launch
+# settings name one of its outputs, so a changed chunked-prefill size or SGLang flag
+# reruns it and the next server uses it; finished chunks are kept (the plan decides).
 rule launch_server:
     input:
         gate=run_path("state/gpu_gate.json"),
+        index=run_path("chunks/index.json"),
         model_config=model_config_file(),
     output:
         state=run_path("state/server.json"),
+        settings=settings_file("state", "launch", LAUNCH_SETTINGS),
     log:
         run_path("logs/launch_server.log"),
     benchmark:
         run_path("benchmarks/launch_server.tsv")
+    params:
+        settings=LAUNCH_SETTINGS,
     conda:
         "../envs/hsextract.yaml"
     script:

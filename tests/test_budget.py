@@ -48,7 +48,8 @@ def test_preflight_passes_and_reports(tmp_path: Path, monkeypatch) -> None:
     r = preflight(**_args(tmp_path))
     assert {p.name for p in seen} == {"results", "dump"}  # the probe really was used
     assert r["bytes_per_token"] == 57349
-    assert r["dump_bytes_per_request"] == 8192 * (2 * 7168 * 4 + 8)
+    # tensors (int64 ids) plus a header allowance per piece: one pass, so up to 4 pieces
+    assert r["dump_bytes_per_request"] == 8192 * (2 * 7168 * 4 + 8) + 4 * budget.PIECE_OVERHEAD
     assert r["requests_that_fit_budget"] == 64 * GB // r["dump_bytes_per_request"]
 
 

@@ -7,6 +7,7 @@ Deselected by default (no GPU in CI); run on a GPU machine with ``pytest -m gpu`
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 from pathlib import Path
 
@@ -30,9 +31,9 @@ def gpu_demo(tmp_path_factory):
     cfg["model"]["path"] = str(root / "model")
     cfg["output_root"] = str(root / "results")
     _fill_defaults(cfg, yaml.safe_load((REPO / "schemas" / "config.schema.yaml").read_text()))
-    build_demo_model(root / "model", cfg["demo"], cfg["max_seq_len"], cfg["seed"])
+    build_demo_model(root / "model", cfg["demo"])
     shards = [root / f"shard_{i}.jsonl" for i in range(2)]
-    build_demo_data(shards, cfg["demo"], cfg["max_seq_len"], cfg["seed"])
+    build_demo_data(shards, cfg["demo"], cfg["max_seq_len"])
     merge_and_shuffle(
         shards, root / "merged", max_seq_len=cfg["max_seq_len"], overlength="truncate",
         seed=0, vocab_size=cfg["demo"]["vocab_size"], max_reject_fraction=0.0,
@@ -106,7 +107,8 @@ def _forward(model, ids: list[int], segment: int | None) -> list[torch.Tensor]:
         out = model.model(torch.tensor([ids], device="cuda"), output_hidden_states=True)
         return [h[0] for h in out.hidden_states]
     cache = DynamicCache(config=model.config)
-    kw = "cache" if "cache" in model.model.forward.__code__.co_varnames else "past_key_values"
+    params = inspect.signature(model.model.forward).parameters
+    kw = "cache" if "cache" in params else "past_key_values"
     parts: list[list[torch.Tensor]] = []
     for s in range(0, len(ids), segment):
         seg = ids[s : s + segment]

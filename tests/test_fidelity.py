@@ -105,7 +105,10 @@ def test_fidelity_grid(
             )
             total += compare_chunk(out, reference)
         assert total == len(reference)
-        # Every piece was consumed: the dump dir holds nothing but our marker.
-        assert [p.name for p in (tmp_path / "dump").iterdir()] == [".hsextract-run"]
+        # Every piece was consumed and every reservation released: the dump dir holds
+        # nothing but our marker and the (empty) budget ledger.
+        dump = tmp_path / "dump"
+        assert sorted(p.name for p in dump.iterdir()) == [".budget", ".hsextract-run"]
+        assert [p.name for p in (dump / ".budget").iterdir()] == ["lock"]
     finally:
         server.stop(state)

@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -107,20 +107,18 @@ def test_ensure_reuses_a_live_server_and_relaunches_a_dead_one(tmp_path, monkeyp
     monkeypatch.setenv(server.OWNER_ENV, str(os.getpid()))
     spec = health_spec(tmp_path)
     state_dir = tmp_path / "state"
-    first = server.start(spec)
-    server.write_json(state_dir / "server.json", first)
-    server.write_json(server.live_path(state_dir), first)
     gates = []
+    first = server.ensure(spec, state_dir, gate=lambda: gates.append(1))
     try:
-        again = server.ensure(state_dir / "server.json", gate=lambda: gates.append(1))
-        assert again["pid"] == first["pid"] and gates == []
+        assert gates == [1] and server.health(first["url"])
+        again = server.ensure(spec, state_dir, gate=lambda: gates.append(1))
+        assert again["pid"] == first["pid"] and gates == [1]
         os.killpg(first["pgid"], signal.SIGKILL)
         wait_dead(first["pid"])
-        relaunched = server.ensure(state_dir / "server.json", gate=lambda: gates.append(1))
-        assert relaunched["pid"] != first["pid"] and gates == [1]
+        relaunched = server.ensure(spec, state_dir, gate=lambda: gates.append(1))
+        assert relaunched["pid"] != first["pid"] and gates == [1, 1]
         assert server.health(relaunched["url"])
-        # The recorded launch is never rewritten: finished chunks stay up to date.
-        assert server.read_json(state_dir / "server.json")["pid"] == first["pid"]
+        assert server.read_json(server.live_path(state_dir))["pid"] == relaunched["pid"]
     finally:
         server.stop_live(state_dir)
         server.stop(first)
@@ -129,13 +127,73 @@ def test_ensure_reuses_a_live_server_and_relaunches_a_dead_one(tmp_path, monkeyp
 def test_ensure_refuses_a_server_of_another_run(tmp_path, monkeypatch):
     monkeypatch.setenv(server.OWNER_ENV, str(os.getpid()))
     state_dir = tmp_path / "state"
-    first = server.start(health_spec(tmp_path))
+    spec = health_spec(tmp_path)
+    first = server.start(spec)
     try:
-        server.write_json(state_dir / "server.json", first)
         other = dict(first, spec={**first["spec"], "fingerprint": "another-run"})
         server.write_json(server.live_path(state_dir), other)
-        state = server.ensure(state_dir / "server.json")
+        state = server.ensure(spec, state_dir)
         assert state["pid"] != first["pid"]  # not reused: it serves a different fingerprint
+    finally:
+        server.stop_live(state_dir)
+        server.stop(first)
+
+
+def test_ensure_replaces_a_server_started_with_other_settings(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(server.OWNER_ENV, str(os.getpid()))
+    state_dir = tmp_path / "state"
+    old = replace(health_spec(tmp_path), settings={"chunked_prefill_size": 257})
+    first = server.ensure(old, state_dir)
+    try:
+        new = replace(old, settings={"chunked_prefill_size": 64})
+        assert old.settings_digest != new.settings_digest
+        state = server.ensure(new, state_dir)
+        assert state["pid"] != first["pid"] and not server.pid_alive(first["pid"])
+        assert state["spec"]["settings"] == {"chunked_prefill_size": 64}
+        assert "chunked_prefill_size 257 -> 64" in capsys.readouterr().err
+    finally:
+        server.stop_live(state_dir)
+        server.stop(first)
+
+
+# /health answers after a delay on its first N calls, then at once: a busy server.
+SLOW_HEALTH_SERVER = """
+import http.server, json, sys, time
+calls = [0]
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        if self.path == "/health":
+            calls[0] += 1
+            if 1 < calls[0] <= 1 + int(sys.argv[3]):
+                time.sleep(12)  # past the probe's 10 s timeout
+        body = b"ok" if self.path == "/health" else json.dumps({"engine": "stub"}).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body)))
+        self.end_headers(); self.wfile.write(body)
+    def log_message(self, *a): pass
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[2])), H).serve_forever()
+"""
+
+
+def test_one_slow_health_answer_does_not_replace_a_live_server(tmp_path, monkeypatch):
+    """Probes in a row (server.health_probes): a busy server is kept; one that never
+    answers is replaced."""
+    monkeypatch.setenv(server.OWNER_ENV, str(os.getpid()))
+    state_dir = tmp_path / "state"
+    port = server.free_port()
+    argv = [sys.executable, "-c", SLOW_HEALTH_SERVER, "--port", str(port), "1"]
+    spec = spec_for(tmp_path, argv, port=port)
+    first = server.ensure(spec, state_dir)  # health call 1: at once
+    try:
+        # call 2 is slow (a probe times out), call 3 answers: kept.
+        kept = server.ensure(spec, state_dir, probes=3, interval_s=0.1)
+        assert kept["pid"] == first["pid"]
+        # One probe only, and the server stalls again: replaced.
+        server.stop_live(state_dir)
+        argv = [sys.executable, "-c", SLOW_HEALTH_SERVER, "--port", str(port), "5"]
+        spec2 = spec_for(tmp_path, argv, port=port)
+        stalled = server.ensure(spec2, state_dir)
+        replaced = server.ensure(spec2, state_dir, probes=1)
+        assert replaced["pid"] != stalled["pid"]
     finally:
         server.stop_live(state_dir)
         server.stop(first)

@@ -231,7 +231,12 @@ def test_build_launch_emits_only_declared_flags(flags: dict[str, Flag], capture:
     assert not any("hierarchical" in a or "hicache" in a for a in argv)
     assert env["SGLANG_HS_DUMP_DIR"] == "/dev/shm/hs"
     assert env["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] == "1"
-    assert env["PYTHONPATH"].split(":")[0] == str(ROOT / "src")
+    # The server imports the hsextract this process imports (whichever checkout the
+    # venv's editable install points at), not necessarily the one this test file is in.
+    import hsextract
+
+    assert env["PYTHONPATH"].split(":")[0] == str(Path(hsextract.__file__).resolve().parents[1])
+    assert (Path(env["PYTHONPATH"].split(":")[0]) / "hsextract" / "capture.py").is_file()
     if capture == "hooks":
         assert env["HSEXTRACT_AUX_LAYERS"] == "[2, 30, 58]"
         spec = json.loads(argv[argv.index("--forward-hooks") + 1])

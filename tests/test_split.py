@@ -8,7 +8,14 @@ from pathlib import Path
 import orjson
 import pytest
 
-from hsextract.records import ChunkInputError, load_chunk, merge_and_shuffle, split_chunks
+from hsextract.records import (
+    ChunkInputError,
+    id_hash,
+    load_chunk,
+    merge_and_shuffle,
+    records_digest,
+    split_chunks,
+)
 
 
 def _merged(tmp: Path, lengths: list[int]) -> Path:
@@ -29,7 +36,7 @@ def _outs(tmp: Path, n: int) -> list[Path]:
     return [tmp / "chunks" / f"chunk_{i:05d}.jsonl" for i in range(n)]
 
 
-def test_partition_is_exact_balanced_and_deterministic(tmp_path: Path) -> None:
+def test_partition_is_exact_stable_and_deterministic(tmp_path: Path) -> None:
     lengths = [(k * 7919) % 1000 + 1 for k in range(200)]
     merged = _merged(tmp_path, lengths)
     outs = _outs(tmp_path, 6)
@@ -40,17 +47,50 @@ def test_partition_is_exact_balanced_and_deterministic(tmp_path: Path) -> None:
     merged_lines = merged.read_bytes().splitlines(keepends=True)
     chunk_lines = [ln for p in outs for ln in p.read_bytes().splitlines(keepends=True)]
     assert sorted(chunk_lines) == sorted(merged_lines)  # every record once, bytes unchanged
-    for p in outs:  # within a chunk the merged (shuffled) order is kept
-        pos = [merged_lines.index(ln) for ln in p.read_bytes().splitlines(keepends=True)]
-        assert pos == sorted(pos)
+    for i, p in enumerate(outs):  # record -> chunk by its id's hash; within, by (hash, id)
+        ids = [orjson.loads(ln)["id"] for ln in p.read_bytes().splitlines()]
+        assert all(id_hash(r) % 6 == i for r in ids)
+        assert ids == sorted(ids, key=lambda r: (id_hash(r), r))
     tokens = [c["tokens"] for c in chunks]
     assert sum(tokens) == sum(lengths)
-    assert max(tokens) - min(tokens) <= max(lengths)
-    assert json.loads(index.read_text())["chunks"] == chunks
+    assert min(c["records"] for c in chunks) > 0
+    data = json.loads(index.read_text())
+    assert data["chunks"] == chunks and data["n_chunks"] == 6 and data["format"] == 2
     assert [c["path"] for c in chunks] == [p.name for p in outs]
+    for c, p in zip(chunks, outs, strict=True):  # the digest is of the records' values
+        recs = load_chunk(p, index)
+        assert c["content_digest"] == records_digest(recs)
 
     split_chunks(merged, outs, index)
     assert [p.read_bytes() for p in outs] == first
+
+
+def test_removing_a_record_changes_only_its_chunk(tmp_path: Path) -> None:
+    """What hash assignment buys: a data change re-extracts the chunks it touches."""
+    lengths = [(k * 37) % 90 + 1 for k in range(120)]
+    merged = _merged(tmp_path, lengths)
+    index = tmp_path / "chunks" / "index.json"
+    before = split_chunks(merged, _outs(tmp_path, 8), index)
+    lines = merged.read_bytes().splitlines(keepends=True)
+    victim = orjson.loads(lines[17])["id"]
+    merged.write_bytes(b"".join(ln for k, ln in enumerate(lines) if k != 17))
+    after = split_chunks(merged, _outs(tmp_path, 8), index)
+    changed = [i for i, (a, b) in enumerate(zip(before, after, strict=True))
+               if a["content_digest"] != b["content_digest"]]  # fmt: skip
+    assert changed == [id_hash(victim) % 8]
+
+    # A new merge seed reorders train.jsonl but changes no chunk at all.
+    def split_with_seed(seed: int, where: str) -> tuple[bytes, list[str]]:
+        merge_and_shuffle([tmp_path / "in.jsonl"], tmp_path / where, max_seq_len=4096,
+                          overlength="truncate", seed=seed, vocab_size=100,
+                          max_reject_fraction=0.0)  # fmt: skip
+        train = tmp_path / where / "train.jsonl"
+        got = split_chunks(train, _outs(tmp_path / where, 8), tmp_path / where / "index.json")
+        return train.read_bytes(), [c["content_digest"] for c in got]
+
+    train3, digests3 = split_with_seed(3, "s3")
+    train99, digests99 = split_with_seed(99, "s99")
+    assert train3 != train99 and digests3 == digests99
 
 
 def test_fewer_records_than_chunks_gives_valid_empty_chunks(tmp_path: Path) -> None:

@@ -123,20 +123,137 @@ def test_mount_point_root_is_refused(tmp_path: Path) -> None:
                      report_out=tmp_path / "r.json")  # fmt: skip
 
 
+def _dump(shm: Path, name: str, run: Path | None, size: int = 10) -> Path:
+    """A dump dir whose marker names the run that owns it (as server.prepare_dump_dir)."""
+    d = shm / name
+    (d / "rid-1").mkdir(parents=True)
+    (d / "rid-1" / "000000000.safetensors").write_bytes(b"p" * size)
+    info = {} if run is None else {"kind": "dump", "run_dir": str(run.resolve()),
+                                   "output_root": str(run.resolve().parent)}  # fmt: skip
+    (d / RUN_MARKER).write_text(json.dumps(info))
+    return d
+
+
 def test_dump_dirs_only_of_removed_runs_and_pieces_of_current(tree, tmp_path: Path) -> None:
     shm = tmp_path / "shm"
-    cur = _run(shm, "hsextract-u-1-cur000000000")  # current: keep dir + marker, drop pieces
-    stale = _run(shm, "hsextract-u-1-old111111111", 7)
-    foreign = _run(shm, "hsextract-u-1-feedfeedfeed", 9)  # maybe a live run elsewhere
+    cur = _dump(shm, "hsextract-u-1-cur", tree["cur"], 100)  # keep dir + marker, drop pieces
+    stale = _dump(shm, "hsextract-u-1-old", tree["old1"], 7)  # its run goes: it goes
+    # Another checkout with the same fingerprint on this host: same name but for the root
+    # tag, another output root in its marker.  Mid-extraction: every piece must stay.
+    other_root = tmp_path / "elsewhere" / "results"
+    other = _dump(shm, "hsextract-u-1-cur-other", _run(other_root, "cur000000000"), 9)
     unmarked = _run(shm, "somebody-else", 11, marked=False)
+    before_other = _snapshot(other)
     rep = delete_stale(tree["root"], "cur000000000", dump_root=shm, keep_runs=0,
                        dry_run=False, report_out=tmp_path / "r.json")  # fmt: skip
     kinds = {(i["kind"], i["path"]) for i in rep["removed"]}
     assert ("dump", str(stale)) in kinds and ("dump_pieces", str(cur)) in kinds
     assert not stale.exists()
     assert sorted(p.name for p in cur.iterdir()) == [RUN_MARKER]
-    assert foreign.exists() and unmarked.exists()
-    assert rep["bytes_freed"] == 10 + 20 + 7 + 100
+    assert _snapshot(other) == before_other and unmarked.exists()
+    stale_marker = len(json.dumps({"kind": "dump", "run_dir": str(tree["old1"].resolve()),
+                                   "output_root": str(tree["root"].resolve())}))  # fmt: skip
+    assert rep["bytes_freed"] == 10 + 20 + (7 + stale_marker) + 100
+
+
+def test_legacy_dump_dir_names_match_by_root_tag(tree, tmp_path: Path) -> None:
+    """Markers written before they named their run: matched by the name's root tag."""
+    import hashlib
+
+    shm = tmp_path / "shm"
+    tag = hashlib.sha256(str(tree["root"].resolve()).encode()).hexdigest()[:6]
+    ours = _dump(shm, f"hsextract-u-{os.getuid()}-old111111111-{tag}", None, 5)
+    theirs = _dump(shm, f"hsextract-u-{os.getuid()}-old111111111-ffffff", None, 5)
+    delete_stale(tree["root"], "cur000000000", dump_root=shm, keep_runs=0, dry_run=False,
+                 report_out=tmp_path / "r.json")  # fmt: skip
+    assert not ours.exists() and theirs.exists()
+
+
+def test_a_run_in_use_is_never_deleted(tree, tmp_path: Path) -> None:
+    """A live server recorded in it, or a workflow holding its activity lock."""
+    import socket
+    import subprocess
+    import sys
+
+    from hsextract.stale import hold_run_lock
+
+    host = socket.gethostname()
+    # old1: a live server (this very process stands in for its pid).
+    (tree["old1"] / "state").mkdir()
+    (tree["old1"] / "state" / f"server.{host}.live.json").write_text(
+        json.dumps({"pid": os.getpid()})
+    )
+    # old2: a workflow in another process holds the run's activity lock.
+    code = (
+        "import sys, time; sys.path.insert(0, sys.argv[2]);"
+        "from hsextract.stale import hold_run_lock; hold_run_lock(sys.argv[1]);"
+        "print('held', flush=True); time.sleep(60)"
+    )
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tree["old2"]), src],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        rep = delete_stale(tree["root"], "cur000000000", dump_root=None, keep_runs=0,
+                           dry_run=False, report_out=tmp_path / "r.json")  # fmt: skip
+        assert rep["removed"] == [] and tree["old1"].exists() and tree["old2"].exists()
+        why = {Path(i["path"]).name: i["why"] for i in rep["kept"]}
+        assert "live server" in why["old111111111"]
+        assert "running workflow" in why["old222222222"]
+    finally:
+        holder.kill()
+        holder.wait()
+    # Once the holder is gone (SIGKILL: the kernel drops its lock) and the server record
+    # is of a dead process, both go.
+    (tree["old1"] / "state" / f"server.{host}.live.json").write_text(json.dumps({"pid": 1 << 22}))
+    rep = delete_stale(tree["root"], "cur000000000", dump_root=None, keep_runs=0,
+                       dry_run=False, report_out=tmp_path / "r.json")  # fmt: skip
+    assert not tree["old1"].exists() and not tree["old2"].exists()
+    # Our own lock on the current run never blocks the current run's own cleanup.
+    hold_run_lock(tree["cur"])
+
+
+def test_finished_runs_and_older_versions_are_kept_unless_asked(tree, tmp_path: Path) -> None:
+    for run in (tree["old1"], tree["old2"]):  # a finished chunk: file + sidecar
+        (run / "hidden" / "chunk_00000.json").write_text("{}")
+    (tree["old2"] / RUN_MARKER).write_text(json.dumps({"hsextract_version": "0.1.0"}))
+    rep = delete_stale(tree["root"], "cur000000000", dump_root=None, keep_runs=0,
+                       dry_run=False, report_out=tmp_path / "r.json")  # fmt: skip
+    assert rep["removed"] == [] and tree["old1"].exists() and tree["old2"].exists()
+    assert all("stale.delete_finished" in i["why"] for i in rep["kept"])
+    rep = delete_stale(tree["root"], "cur000000000", dump_root=None, keep_runs=0, dry_run=False,
+                       delete_finished=True, report_out=tmp_path / "r.json")  # fmt: skip
+    assert not tree["old1"].exists() and not tree["old2"].exists()
+    marker = len(json.dumps({"hsextract_version": "0.1.0"}))
+    assert rep["bytes_freed"] == (10 + 2) + (20 + 2 + marker)  # chunks, sidecars, marker
+
+
+def test_other_users_dirs_are_skipped_not_fatal(tree, tmp_path: Path) -> None:
+    """A shared node: another user's 0700 dirs in /dev/shm and in a shared output root."""
+    shm = tmp_path / "shm"
+    theirs = _dump(shm, "hsextract-them-12345-old111111111-abcdef", tree["old1"], 3)
+    os.chmod(theirs, 0o700)
+    os.chown(theirs, 12345, 12345)
+    their_run = _run(tree["root"], "their0000000")
+    os.chown(their_run, 12345, 12345)
+    rep = delete_stale(tree["root"], "cur000000000", dump_root=shm, keep_runs=0,
+                       dry_run=False, report_out=tmp_path / "r.json")  # fmt: skip
+    assert theirs.exists() and their_run.exists()
+    assert any("another user" in s for s in rep["skipped"])
+    assert not tree["old1"].exists()
+
+
+def test_preview_lists_what_would_go_with_sizes(tree, tmp_path: Path) -> None:
+    from hsextract.stale import preview
+
+    (tree["old2"] / "hidden" / "chunk_00000.json").write_text("{}")
+    before = _snapshot(tree["root"])
+    lines = preview(tree["root"], "cur000000000", dump_root=None, keep_runs=0,
+                    delete_finished=False)  # fmt: skip
+    assert _snapshot(tree["root"]) == before  # looks, never touches
+    text = "\n".join(lines)
+    assert f"remove {tree['old1']}  10 B" in text
+    assert f"keep   {tree['old2']}  22 B" in text and "1 finished chunk" in text
 
 
 def test_symlinked_marked_candidate_swapped_in_is_not_followed(tree, tmp_path: Path) -> None:

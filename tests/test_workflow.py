@@ -78,7 +78,10 @@ def test_extract_all_writes_contract_chunks_and_manifest(demo_run):
         for key in ("record_ids", "model", "fingerprint", "engine", "format_version"):
             assert key in r.metadata
         assert r.metadata["fingerprint"] == rd.name
-    assert stats is not None
+    # The merge's own counts agree with what was extracted.
+    assert stats["records_out"] == manifest["totals"]["records"] == 48
+    assert stats["tokens_out"] == manifest["totals"]["tokens"]
+    assert stats["truncated"] == 1  # the demo's one record of max_seq_len + 7
     assert not engine_processes(), "a server outlived the workflow"
 
 

@@ -7,8 +7,13 @@ Every failure names the numbers and the config key that changes them.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import itertools
 import os
 import shutil
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,6 +60,111 @@ def dump_bytes_per_token(hidden_size: int, n_aux: int, dtype: Any) -> int:
     return dtype_bytes(dtype) * hidden_size * (n_aux + 1) + DUMP_ID_BYTES
 
 
+#: Bytes allowed per dump piece beyond its tensors (the safetensors header is ~400 B).
+PIECE_OVERHEAD = 1024
+#: Where the shared budget's reservations live, inside the dump dir.
+LEDGER_DIR = ".budget"
+
+
+def dump_bytes_for_request(
+    n_tokens: int, hidden_size: int, n_aux: int, dtype: Any, chunked_prefill_size: int
+) -> int:
+    """What one request's pieces may occupy in the dump dir, headers included.
+
+    A request is cut into about n / chunked_prefill_size extend passes, one piece each; a
+    batch boundary can cut it once more per pass, hence the factor two.
+    """
+    passes = -(-n_tokens // chunked_prefill_size) if chunked_prefill_size > 0 else 1
+    pieces = 2 * passes + 2
+    return n_tokens * dump_bytes_per_token(hidden_size, n_aux, dtype) + pieces * PIECE_OVERHEAD
+
+
+def _start_time(pid: int) -> str | None:
+    """A process's start time (clock ticks since boot): tells a reused pid from the original."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+class SharedByteBudget:
+    """A byte semaphore shared by every process that extracts into one dump dir.
+
+    Each reservation is a file ``<pid>-<start time>-<seq>-<bytes>`` in ``<dump
+    dir>/.budget``, created and counted under an ``flock``: so ``-j N`` chunk jobs on one
+    host share ``dump.shm_budget_gb`` instead of each having all of it.  A reservation of a
+    process that died (a killed chunk job) no longer counts; it is removed by the next
+    reader.  One request alone may exceed the budget when nothing else is reserved (the
+    preflight refuses a budget smaller than the longest request).
+    """
+
+    def __init__(self, dump_dir: Path, capacity: int, *, poll_s: float = 0.005) -> None:
+        self.dir = Path(dump_dir) / LEDGER_DIR
+        self.dir.mkdir(mode=0o700, exist_ok=True)
+        self.capacity = capacity
+        self.poll_s = poll_s
+        self.peak = 0
+        self._me = f"{os.getpid()}-{_start_time(os.getpid())}"
+        self._seq = itertools.count()
+        self._tlock = threading.Lock()
+        self._fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+    def _used(self) -> int:
+        used = 0
+        alive: dict[str, bool] = {}
+        for entry in os.scandir(self.dir):
+            parts = entry.name.split("-")
+            if len(parts) != 4 or not parts[3].isdigit():
+                continue
+            owner = f"{parts[0]}-{parts[1]}"
+            if owner not in alive:
+                alive[owner] = owner == self._me or _start_time(int(parts[0])) == parts[1]
+            if alive[owner]:
+                used += int(parts[3])
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+        return used
+
+    def acquire(self, nbytes: int) -> str:
+        """Wait until ``nbytes`` fit; returns the reservation to hand to :meth:`release`."""
+        delay = self.poll_s
+        while True:
+            with self._tlock:
+                fcntl.flock(self._fd, fcntl.LOCK_EX)
+                try:
+                    used = self._used()
+                    if used + nbytes <= self.capacity or used == 0:
+                        token = f"{self._me}-{next(self._seq)}-{nbytes}"
+                        with open(self.dir / token, "x"):
+                            pass
+                        self.peak = max(self.peak, used + nbytes)
+                        return token
+                finally:
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def reserved(self) -> int:
+        """Bytes reserved now by live processes."""
+        with self._tlock:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                return self._used()
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def release(self, token: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.dir / token)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
 def max_in_flight(shm_budget_bytes: int, per_request_bytes: int) -> int:
     """How many requests may have dump pieces at once; at least 1 so work can proceed.
 
@@ -96,6 +206,7 @@ def preflight(
     dump_dir: Path,
     requests_in_flight: int,
     shm_budget_bytes: int,
+    chunked_prefill_size: int = -1,
     free_bytes: Callable[[Path], int] | None = None,
     headroom: float = 0.02,
 ) -> dict[str, Any]:
@@ -109,7 +220,11 @@ def preflight(
     bpt = bytes_per_token(hidden_size, n_aux, dtype)
     out_need = int(total_tokens * bpt * (1 + headroom))
     out_free = probe(Path(output_root))
-    per_request = max_len * dump_bytes_per_token(hidden_size, n_aux, dtype)
+    per_request = (
+        dump_bytes_for_request(max_len, hidden_size, n_aux, dtype, chunked_prefill_size)
+        if max_len
+        else 0
+    )
     fit = shm_budget_bytes // per_request if per_request else 0
     in_flight_bytes = per_request * requests_in_flight
     dump_free = probe(Path(dump_dir))

@@ -60,6 +60,8 @@ D2H_CHUNK_ENV = "HSEXTRACT_CAPTURE_D2H_CHUNK_MB"
 #: Most D2H chunks queued on the GPU at once (0: all of a pass at once); see ``_copier``.
 D2H_INFLIGHT_ENV = "HSEXTRACT_CAPTURE_D2H_INFLIGHT"
 PIECE_SUFFIX = ".safetensors"
+#: ``<dump_dir>/.abandoned/<rid>``: the client gave up on rid; write none of its pieces.
+ABANDONED_DIR = ".abandoned"
 
 DEFAULT_SLOTS = 4
 DEFAULT_THREADS = 4
@@ -543,6 +545,11 @@ class DumpWriter:
                     self._free.put(batch.slot)
 
     def _write_piece(self, b: _Batch, rid: str, start: int, row0: int, n: int) -> None:
+        # A request the client abandoned (timed out, aborted) may still be in this pass:
+        # its pieces would sit in /dev/shm, outside every budget, forever.
+        tomb = os.path.join(self._dir, ABANDONED_DIR, rid)
+        if os.path.lexists(tomb):
+            return
         rdir = os.path.join(self._dir, rid)
         try:
             os.mkdir(rdir, 0o700)
@@ -592,6 +599,12 @@ class DumpWriter:
             finally:
                 os.close(fd)
             os.rename(tmp, final)
+            if os.path.lexists(tomb):  # abandoned while we wrote: the client's sweep is done
+                os.unlink(final)
+                try:
+                    os.rmdir(rdir)
+                except OSError:
+                    pass
         except BaseException:
             try:
                 os.unlink(tmp)

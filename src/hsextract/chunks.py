@@ -385,6 +385,29 @@ def check_chunk(path: str | os.PathLike[str], expect_records: int | None = None)
     return {"records": len(r), "tokens": t, "hidden_size": h, "aux_layers": r.aux_layers}
 
 
+def content_digest_of(path: str | os.PathLike[str]) -> str:
+    """The content digest of the records a chunk file holds, from its own tensors.
+
+    The same function of (id, input_ids, loss_mask) that split_chunks computes from JSON
+    (:func:`hsextract.records.record_digest`), so a file can be checked against the index
+    and train.jsonl without trusting its metadata.
+    """
+    from hsextract.records import content_digest, record_digest
+
+    r = ChunkReader(path)
+    ids = r._f.get_tensor("input_ids").numpy()
+    mask = r._f.get_tensor("loss_mask").numpy()
+    off = r.offsets.tolist()
+    if len(r.record_ids) != len(off) - 1:
+        raise ChunkFileError(f"{path}: {len(r.record_ids)} record_ids for {len(off) - 1} records")
+    return content_digest(
+        [
+            record_digest(rid, ids[off[j] : off[j + 1]], mask[off[j] : off[j + 1]])
+            for j, rid in enumerate(r.record_ids)
+        ]
+    )
+
+
 def inspect_text(path: str | os.PathLike[str]) -> str:
     r = ChunkReader(path)
     lines = [f"{path}", f"  records: {len(r)}  tokens: {int(r.offsets[-1])}"]

@@ -5,6 +5,7 @@ hsextract gpu-gate [--max-used-mib N] [--wait-s S]
 hsextract server command|start|status|stop [--configfile F] [--config key=value ...]
 hsextract inspect CHUNK_FILE
 hsextract verify MANIFEST
+hsextract plan [--configfile F]
 hsextract run-dir [--configfile F]
 """
 
@@ -38,6 +39,24 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", nargs="*", metavar="KEY=VALUE", help="overrides, dotted keys")
 
 
+def shell_command(env: dict[str, str], argv: list[str]) -> str:
+    """The env and argv as lines that work when pasted into a POSIX shell.
+
+    Every token is quoted literally except the API key placeholder, which must expand:
+    single-quoted, SGLang would start with the literal text ``${HSEXTRACT_API_KEY}`` as its
+    key.  It is emitted double-quoted, so the key stays out of the printed command.
+    """
+    import shlex
+
+    from hsextract.server import API_KEY_ENV, API_KEY_PLACEHOLDER
+
+    def q(token: str) -> str:
+        return f'"${API_KEY_ENV}"' if token == API_KEY_PLACEHOLDER else shlex.quote(token)
+
+    lines = [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
+    return "\n".join([*lines, " ".join(q(a) for a in argv)])
+
+
 def _server(args: argparse.Namespace) -> int:
     from hsextract import server
     from hsextract.config import run_dir
@@ -45,20 +64,27 @@ def _server(args: argparse.Namespace) -> int:
     cfg = _load(args)
     rd = run_dir(cfg)
     state_dir = rd / "state"
+    spec = server.build_spec(cfg, run_dir=rd, log_path=rd / "logs" / "server.log")
     if args.action == "command":
-        spec = server.build_spec(cfg, run_dir=rd, log_path=rd / "logs" / "server.log")
-        for key, value in sorted(spec.env.items()):
-            print(f"export {key}={json.dumps(value) if ' ' in value else value}")
-        import shlex
-
-        print(shlex.join(spec.argv))
+        if spec.api_key_env:
+            print(f"# needs the API key in ${spec.api_key_env}")
+        print(shell_command(spec.env, spec.argv))
         return 0
     if args.action == "status":
         state = server.read_json(server.live_path(state_dir))
-        alive = bool(state) and server.is_serving(state, state["spec"]["fingerprint"])
+        alive = server.is_serving(state, spec)
+        stale = bool(state) and not alive and server.pid_alive(state.get("pid"))
         print(
             json.dumps(
-                {"run_dir": str(rd), "serving": alive, "state": state}, indent=2, default=str
+                {
+                    "run_dir": str(rd),
+                    "serving": alive,
+                    # alive but with other settings (or unhealthy): ensure() replaces it
+                    "stale": stale,
+                    "state": state,
+                },
+                indent=2,
+                default=str,
             )
         )
         return 0 if alive else 1
@@ -66,10 +92,9 @@ def _server(args: argparse.Namespace) -> int:
         print("stopped" if server.stop_live(state_dir) else "no live server for this run")
         return 0
     if args.action == "start":
-        server_json = state_dir / "server.json"
-        if not server_json.exists():
-            raise HsextractError(f"{server_json} missing: run `snakemake -j1 {server_json}` first")
-        state = server.ensure(server_json)
+        from hsextract.steps import ensure_server
+
+        state = ensure_server(cfg)
         print(json.dumps({"url": state["url"], "pid": state["pid"]}))
         return 0
     raise AssertionError(args.action)
@@ -90,6 +115,33 @@ def _verify(args: argparse.Namespace) -> int:
         print(p)
     print("ok: every chunk matches the manifest" if not problems else f"{len(problems)} problem(s)")
     return 1 if problems else 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """Which chunks the next run re-extracts, from the current split; touches nothing."""
+    from hsextract.config import fingerprint, run_dir
+    from hsextract.plan import chunk_states
+
+    cfg = _load(args)
+    rd = run_dir(cfg)
+    index = rd / "chunks" / "index.json"
+    if not index.exists():
+        raise HsextractError(
+            f"{index} does not exist yet: run the data stage first (CPU only): "
+            f"snakemake -j1 {index}"
+        )
+    states = chunk_states(rd, index, fingerprint(cfg))
+    todo = [s for s in states if not s.current]
+    print(
+        f"{rd}: {len(todo)} of {len(states)} chunk(s) to extract, {len(states) - len(todo)} current"
+    )
+    for s in todo:
+        print(f"  {s.chunk}: {s.reason}")
+    print(
+        "(from the split as it is now; if inputs or settings changed since, run "
+        f"`snakemake -j1 {index}` first)"
+    )
+    return 0
 
 
 def _run_dir(args: argparse.Namespace) -> int:
@@ -118,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="re-hash every chunk of a manifest")
     p.add_argument("manifest")
     p.set_defaults(func=_verify)
+    p = sub.add_parser("plan", help="which chunks the next run re-extracts (reads only)")
+    _add_config_args(p)
+    p.set_defaults(func=_plan)
     p = sub.add_parser("run-dir", help="print the run directory (fingerprint) of a config")
     _add_config_args(p)
     p.set_defaults(func=_run_dir)

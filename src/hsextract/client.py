@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from hsextract.capture import PIECE_SUFFIX
+from hsextract.capture import ABANDONED_DIR, PIECE_SUFFIX
 from hsextract.errors import HsextractError
 
 log = logging.getLogger("hsextract")
@@ -61,6 +61,14 @@ class Geometry:
 
         return dump_bytes_per_token(self.hidden_size, len(self.aux_layers), self.dtype)
 
+    def dump_bytes(self, n_tokens: int, chunked_prefill_size: int) -> int:
+        """What one request of n tokens may hold in the dump dir (pieces with headers)."""
+        from hsextract.budget import dump_bytes_for_request
+
+        return dump_bytes_for_request(
+            n_tokens, self.hidden_size, len(self.aux_layers), self.dtype, chunked_prefill_size
+        )
+
 
 def model_geometry(cfg: dict) -> Geometry:
     from hsextract.config import read_model_config, resolve_aux_layers
@@ -79,25 +87,6 @@ def model_geometry(cfg: dict) -> Geometry:
         aux_layers=resolve_aux_layers(cfg, layers),
         dtype=DTYPES[cfg["model"]["dtype"]],
     )
-
-
-class ByteBudget:
-    """A counting semaphore in bytes: throttles requests so dumps fit in /dev/shm."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.used = 0
-        self.cond = threading.Condition()
-
-    def acquire(self, n: int) -> None:
-        with self.cond:
-            self.cond.wait_for(lambda: self.used + n <= self.capacity or self.used == 0)
-            self.used += n
-
-    def release(self, n: int) -> None:
-        with self.cond:
-            self.used -= n
-            self.cond.notify_all()
 
 
 def read_pieces(rid_dir: Path, length: int, timeout_s: float) -> list[dict]:
@@ -398,6 +387,8 @@ class Client:
         self._lock = threading.Lock()
         #: Set when the chunk has failed: no new attempts, no retries.
         self.stop = threading.Event()
+        #: rids given up on (aborted, tombstoned, swept).
+        self.abandoned: list[str] = []
 
     def _post(self, rid: str, ids: list[int]) -> dict:
         import requests
@@ -424,7 +415,13 @@ class Client:
             raise ExtractionError(
                 f"server refused the request: HTTP {resp.status_code}: {resp.text[:300]}{hint}"
             )
-        return resp.json()
+        out = resp.json()
+        reason = (out.get("meta_info") or {}).get("finish_reason") or {}
+        if isinstance(reason, dict) and reason.get("type") == "abort":
+            # Someone (an operator, the server under memory pressure) aborted it: its
+            # pieces are incomplete; a new attempt starts over under a new rid.
+            raise TransientError(f"the server aborted the request: {reason}")
+        return out
 
     def extract(self, rid_prefix: str, record_id: str, ids: list[int]) -> tuple[torch.Tensor, ...]:
         """(ids, hidden, aux) of one request, read into memory."""
@@ -445,6 +442,9 @@ class Client:
                 return assemble(pieces, ids, self.geo, f"{where} (rid {rid})")
             except TransientError as exc:
                 last = exc
+                # The server may still be prefilling it: stop it, and make sure no piece
+                # of it outlives this attempt (see abandon).
+                self.abandon(rid)
                 if attempt == self.retries or self.stop.is_set():
                     break
                 delay = self.backoff * 2**attempt
@@ -469,6 +469,28 @@ class Client:
             f"{self.retries}): {last}. Check the server log {self._server_log()}, then rerun "
             "(finished chunks are kept)"
         )
+
+    def abandon(self, rid: str) -> None:
+        """Give up on a request: abort it on the server, tombstone it, sweep its pieces.
+
+        A timed-out request keeps running on the server unless aborted (SGLang's
+        ``/abort_request``; the reference engine has the same), and a pass already under
+        way still hands its pieces to the writer.  So the tombstone: the capture code
+        writes no piece for a tombstoned rid and removes one it renamed into place as the
+        tombstone appeared (``hsextract.capture``), so after this sweep no byte of the rid
+        is left, whatever the server does next.  Tombstones go when the server stops.
+        """
+        import requests
+
+        try:
+            self.session.post(f"{self.state['url']}/abort_request", json={"rid": rid}, timeout=5.0)
+        except requests.RequestException as exc:
+            log.info("abort of %s not acknowledged (%s); its tombstone stands", rid, exc)
+        tombs = self.dump_dir / ABANDONED_DIR
+        tombs.mkdir(mode=0o700, exist_ok=True)
+        (tombs / rid).touch()
+        shutil.rmtree(self.dump_dir / rid, ignore_errors=True)
+        self.abandoned.append(rid)
 
     def remove_stale_pieces(self, chunk: str) -> list[str]:
         """Remove this chunk's request dirs an interrupted earlier attempt left behind.
@@ -500,28 +522,43 @@ def extract_chunk(
     progress: bool = True,
 ) -> dict:
     """Extract every record of a chunk into the contract's chunk file plus its sidecar."""
+    from hsextract import __version__
+    from hsextract.budget import SharedByteBudget
     from hsextract.chunks import ChunkWriter, check_chunk
     from hsextract.config import fingerprint
-    from hsextract.records import load_chunk
+    from hsextract.records import Record, index_entry, load_chunk, records_digest
 
     name = Path(chunk_path).stem
     t0 = time.monotonic()
+    index = Path(index_path) if index_path else None
     records = load_chunk(
         Path(chunk_path),
-        Path(index_path) if index_path else None,
+        index,
         max_seq_len=int(cfg["max_seq_len"]),
         merged=Path(merged_path) if merged_path else None,
     )
+    digest = records_digest(records)
+    if index is not None:
+        want = index_entry(Path(chunk_path), index).get("content_digest")
+        if digest != want:  # the sha256 check passed, so the index itself is inconsistent
+            raise ExtractionError(
+                f"chunk {name}: its records have content digest {digest[:12]}..., "
+                f"{index} says {str(want)[:12]}...; rerun split_chunks"
+            )
     geo = model_geometry(cfg)
     budget_bytes = int(float(cfg["dump"]["shm_budget_gb"]) * 2**30)
-    longest_rec = max(records, key=lambda r: len(r.input_ids), default=None)
-    longest = len(longest_rec.input_ids) if longest_rec else 0
-    if longest * geo.dump_bytes_per_token > budget_bytes:
+    cps = int(cfg["server"]["chunked_prefill_size"])
+
+    def need(rec: Record) -> int:
+        return geo.dump_bytes(len(rec.input_ids), cps)
+
+    longest_rec = max(records, key=need, default=None)
+    if longest_rec is not None and need(longest_rec) > budget_bytes:
         raise ExtractionError(
-            f"chunk {name}: the longest record ({longest_rec.id!r}, {longest} tokens) needs "
-            f"{longest * geo.dump_bytes_per_token / 2**20:.2f} MiB of dump space, more than "
-            f"dump.shm_budget_gb={cfg['dump']['shm_budget_gb']} ({budget_bytes / 2**20:.2f} "
-            "MiB); raise it"
+            f"chunk {name}: the longest record ({longest_rec.id!r}, "
+            f"{len(longest_rec.input_ids)} tokens) needs {need(longest_rec) / 2**20:.2f} MiB "
+            f"of dump space, more than dump.shm_budget_gb={cfg['dump']['shm_budget_gb']} "
+            f"({budget_bytes / 2**20:.2f} MiB); raise it"
         )
     client = Client(cfg, geo, ensure)
     stale = client.remove_stale_pieces(name)
@@ -538,6 +575,7 @@ def extract_chunk(
         "format_version": "1",
         "dtype": cfg["model"]["dtype"],
         "chunk": name,
+        "content_digest": digest,
     }
     try:
         writer = ChunkWriter(
@@ -554,7 +592,8 @@ def extract_chunk(
         log.info(
             "%s: removed temporary files of an interrupted attempt: %s", name, writer.removed_stale
         )
-    shm = ByteBudget(budget_bytes)
+    # One budget for every chunk job using this dump dir (-j N shares it).
+    shm = SharedByteBudget(client.dump_dir, budget_bytes)
     total_tokens = sum(len(r.input_ids) for r in records)
     bar = _progress(name, total_tokens, len(records), progress)
 
@@ -564,15 +603,14 @@ def extract_chunk(
         if client.stop.is_set():
             return  # the chunk has failed already: start nothing new
         rec = records[j]
-        need = len(rec.input_ids) * geo.dump_bytes_per_token
         try:
-            shm.acquire(need)
+            token = shm.acquire(need(rec))
             try:  # the budget is held until the pieces' bytes are freed (dump closed)
                 with client.extract_dump(f"{name}-{j:06d}", rec.id, rec.input_ids) as dump:
                     mask = torch.tensor(rec.loss_mask, dtype=torch.uint8)
                     writer.put_files(j, dump.ids, mask, dump.hidden, dump.aux, dump.dtype)
             finally:
-                shm.release(need)
+                shm.release(token)
         except BaseException as exc:
             first_error.append(exc)  # list.append is atomic
             client.stop.set()  # other threads finish their request, retry nothing
@@ -602,6 +640,7 @@ def extract_chunk(
         raise
     finally:
         bar.close()
+        shm.close()
     pool.shutdown(wait=True)
     check = check_chunk(out_path, expect_records=len(records))
     seconds = time.monotonic() - t0
@@ -615,14 +654,37 @@ def extract_chunk(
         "seconds": round(seconds, 3),
         "tokens_per_s": round(total_tokens / seconds, 1) if seconds > 0 else math.inf,
         "fingerprint": fp,
+        "content_digest": digest,
         "aux_layers": geo.aux_layers,
         "engine": cfg["engine"],
         "server_url": client.state["url"],
+        # Which server produced these numbers: a chunk done before a settings change keeps
+        # the record of the settings it was done with.
+        "server": _server_record(client.state),
+        "hsextract_version": __version__,
+        "abandoned_requests": len(client.abandoned),
+        "shm_peak_bytes": shm.peak,
     }
     from hsextract.server import write_json
 
     write_json(Path(sidecar_path), sidecar)
     return sidecar
+
+
+def _server_record(state: dict) -> dict:
+    from hsextract.server import ServerSpec
+    from hsextract.sglang import redact_argv
+
+    spec = ServerSpec(**state["spec"])
+    return {
+        "engine": spec.engine,
+        "settings_digest": spec.settings_digest,
+        "settings": spec.settings,
+        "argv": redact_argv(spec.argv),
+        "version": state.get("server_version"),
+        "pid": state.get("pid"),
+        "started_at": state.get("started_at"),
+    }
 
 
 def _write_error(name: str, out_path: Path, exc: OSError) -> ExtractionError:

@@ -12,6 +12,7 @@ import getpass
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +47,50 @@ def validate(cfg: dict) -> dict:
     """Validate (and fill defaults) with the same schema Snakemake's ``validate`` uses."""
     from snakemake.utils import validate as sm_validate
 
+    coerce_to_schema(cfg)
     sm_validate(cfg, str(SCHEMA_PATH), set_default=True)
     check_semantics(cfg)
     return cfg
+
+
+def coerce_to_schema(cfg: dict) -> dict:
+    """Give strings the types the schema asks for, in place.
+
+    ``snakemake --config aux_layers=[1,3,5]`` parses the list with YAML's base loader,
+    so its items arrive as strings; the same holds inside any list or mapping given on
+    the command line.  Only strings that spell a value of the schema's type are changed.
+    """
+    with open(SCHEMA_PATH) as f:
+        schema = yaml.safe_load(f)
+    _coerce(cfg, schema)
+    return cfg
+
+
+def _coerce(value: Any, schema: dict) -> Any:
+    types = schema.get("type", [])
+    types = types if isinstance(types, list) else [types]
+    if isinstance(value, str):
+        if "integer" in types and re.fullmatch(r"[+-]?\d+", value):
+            return int(value)
+        if "number" in types:
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if "boolean" in types and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        if "null" in types and value in ("null", "~"):
+            return None
+        return value
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        extra = schema.get("additionalProperties")
+        for k, v in value.items():
+            sub = props.get(k, extra if isinstance(extra, dict) else {})
+            value[k] = _coerce(v, sub)
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        value[:] = [_coerce(v, schema["items"]) for v in value]
+    return value
 
 
 def check_semantics(cfg: dict) -> None:
@@ -99,27 +141,76 @@ def model_identity(cfg: dict) -> dict:
         "revision": cfg["model"].get("revision"),
         "dtype": cfg["model"]["dtype"],
     }
-    if cfg.get("demo", {}).get("enabled"):
-        ident["demo"] = {k: v for k, v in cfg["demo"].items() if k not in ("n_records", "n_shards")}
-        ident["seed"] = cfg["seed"]
+    demo = cfg.get("demo", {})
+    if demo.get("enabled"):
+        # The recipe of the seeded random weights (not the data: n_records, n_shards).
+        ident["demo"] = {
+            k: demo.get(k) for k in ("seed", "num_hidden_layers", "hidden_size", "vocab_size")
+        }
     return ident
 
 
-def fingerprint(cfg: dict) -> str:
-    """A short hash of everything that changes the numbers in the output files."""
-    from hsextract import __version__
+def fingerprint_payload(cfg: dict) -> dict:
+    """Everything that changes the numbers a record's hidden states hold: the run dir's name.
 
-    payload = {
+    Deliberately not here (README, "What each setting changes"): the records themselves
+    (inputs, merge policy, max_seq_len, n_chunks: each chunk's content digest tracks
+    them, so only chunks whose records changed are re-extracted), how the server runs
+    (chunked prefill, batching, SGLang flags: the launch spec, recorded per chunk), and
+    the hsextract version (an upgrade alone must not orphan a multi-TB run).
+    """
+    return {
         "model": model_identity(cfg),
         "aux_layers": cfg.get("aux_layers"),
-        "max_seq_len": cfg["max_seq_len"],
         "convention": CAPTURE_CONVENTION,
         "format_version": FORMAT_VERSION,
         "engine": cfg["engine"],
-        "engine_version": __version__,
     }
-    blob = json.dumps(payload, sort_keys=True).encode()
+
+
+def fingerprint(cfg: dict) -> str:
+    """A short hash of :func:`fingerprint_payload`."""
+    blob = json.dumps(fingerprint_payload(cfg), sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def launch_settings(cfg: dict) -> dict[str, Any]:
+    """What the extraction server is started with, beyond what the fingerprint names.
+
+    A change takes effect at the next launch (``launch_server`` reruns on it, and
+    ``ensure()`` replaces a live server started with other settings); finished chunks
+    are kept, and each chunk's sidecar records the settings that produced it.  No
+    secrets: the API key only as set or not (the client's key is checked by /health).
+    """
+    server = cfg["server"]
+    out: dict[str, Any] = {
+        "engine": cfg["engine"],
+        "model_path": cfg["model"]["path"],
+        "dtype": cfg["model"]["dtype"],
+        "aux_layers": cfg.get("aux_layers"),
+        "max_seq_len": cfg["max_seq_len"],  # the context length follows it
+        "host": server["host"],
+        "port": server["port"],
+        "api_key": bool(server.get("api_key")),
+        "chunked_prefill_size": server["chunked_prefill_size"],
+        "max_running_requests": server["max_running_requests"],
+        # As configured: the default's path moves with the project, which is no reason
+        # to replace a server (the client reads pieces where the live server writes them).
+        "dump_dir": (cfg.get("dump") or {}).get("dir"),
+    }
+    if cfg["engine"] == "reference":
+        out["device"] = server["device"]
+        out["batch_invariant"] = server["batch_invariant"]
+    else:
+        out["capture"] = cfg.get("capture", "patch")
+        out["sglang"] = dict(cfg.get("sglang") or {})
+    return out
+
+
+def settings_digest(settings: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[
+        :12
+    ]
 
 
 def run_dir(cfg: dict) -> Path:
@@ -135,9 +226,13 @@ def dump_dir(cfg: dict) -> Path:
     configured = cfg.get("dump", {}).get("dir")
     if configured:
         return Path(configured)
-    root = hashlib.sha256(str(Path(cfg["output_root"]).resolve()).encode()).hexdigest()[:6]
-    name = f"hsextract-{getpass.getuser()}-{os.getuid()}-{fingerprint(cfg)}-{root}"
+    name = f"hsextract-{getpass.getuser()}-{os.getuid()}-{fingerprint(cfg)}-{output_root_tag(cfg)}"
     return Path("/dev/shm") / name
+
+
+def output_root_tag(cfg: dict) -> str:
+    """A short hash of the resolved output root: two checkouts never share a dump dir."""
+    return hashlib.sha256(str(Path(cfg["output_root"]).resolve()).encode()).hexdigest()[:6]
 
 
 def public_config(cfg: dict) -> dict:

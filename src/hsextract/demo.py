@@ -15,8 +15,11 @@ from pathlib import Path
 
 import orjson
 
+#: The demo model's max_position_embeddings (see demo_model_config).
+DEMO_MAX_POSITIONS = 16384
 
-def demo_model_config(demo: dict, max_seq_len: int):
+
+def demo_model_config(demo: dict):
     from transformers import DeepseekV3Config
 
     h = int(demo["hidden_size"])
@@ -39,20 +42,23 @@ def demo_model_config(demo: dict, max_seq_len: int):
         qk_rope_head_dim=8,
         qk_nope_head_dim=16,
         v_head_dim=16,
-        max_position_embeddings=max(max_seq_len, 64),
+        # Fixed, not max_seq_len: the weights (and the run's fingerprint) must not change
+        # when only the data's length policy does.  Without rope scaling it changes nothing
+        # a forward computes.
+        max_position_embeddings=DEMO_MAX_POSITIONS,
         rope_scaling=None,
         tie_word_embeddings=False,
     )
 
 
-def build_demo_model(out_dir: Path, demo: dict, max_seq_len: int, seed: int) -> None:
+def build_demo_model(out_dir: Path, demo: dict) -> None:
     """Save a seeded random DeepSeek-V3 with ``save_pretrained``; atomic via a temp dir."""
     import torch
     from transformers import DeepseekV3ForCausalLM
 
     out_dir = Path(out_dir)
-    torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(demo_model_config(demo, max_seq_len)).eval()
+    torch.manual_seed(int(demo["seed"]))
+    model = DeepseekV3ForCausalLM(demo_model_config(demo)).eval()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
@@ -72,9 +78,9 @@ def demo_lengths(n: int, max_seq_len: int, rng: random.Random) -> list[int]:
     return (edges + body)[:n]
 
 
-def build_demo_data(out_paths: list[Path], demo: dict, max_seq_len: int, seed: int) -> None:
+def build_demo_data(out_paths: list[Path], demo: dict, max_seq_len: int) -> None:
     """Write JSON-lines shards; record ids are global, one record carries extra keys."""
-    rng = random.Random(seed)
+    rng = random.Random(int(demo["seed"]))
     n = int(demo["n_records"])
     vocab = int(demo["vocab_size"])
     lengths = demo_lengths(n, max_seq_len, rng)

@@ -40,6 +40,10 @@ log = logging.getLogger("hsextract.engine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class RequestAborted(Exception):
+    """The request was aborted (/abort_request) before it finished."""
+
+
 @dataclass
 class Request:
     """One /generate call as the scheduler sees it."""
@@ -213,6 +217,9 @@ class Scheduler:
         self.waiting: queue.Queue[Request] = queue.Queue()
         self.running: list[Request] = []
         self._stop = threading.Event()
+        self._abort_lock = threading.Lock()
+        self._aborted: set[str] = set()
+        self.aborts: list[dict] = []  # what was aborted, and how far it had got
         self.thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
 
     def submit(self, req: Request) -> Future:
@@ -225,13 +232,31 @@ class Scheduler:
     def stop(self) -> None:
         self._stop.set()
 
+    def abort(self, rid: str) -> None:
+        """SGLang's /abort_request: the request runs no further pass (waiting or running)."""
+        with self._abort_lock:
+            self._aborted.add(rid)
+
+    def _take_aborted(self, req: Request) -> bool:
+        with self._abort_lock:
+            if req.rid not in self._aborted:
+                return False
+            self._aborted.discard(req.rid)
+        self.aborts.append({"rid": req.rid, "prefilled": req.prefilled, "of": len(req.input_ids)})
+        log.info("aborted %s after %d of %d tokens", req.rid, req.prefilled, len(req.input_ids))
+        req.kv = None
+        if not req.future.done():
+            req.future.set_exception(RequestAborted(req.rid))
+        return True
+
     def _admit(self, block: bool) -> None:
         while len(self.running) < self.max_running:
             try:
                 req = self.waiting.get(block=block and not self.running, timeout=0.05)
             except queue.Empty:
                 return
-            self.running.append(req)
+            if not self._take_aborted(req):
+                self.running.append(req)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -255,6 +280,7 @@ class Scheduler:
         request at multiples of the budget and batches whole segments, so boundaries (and
         with them the numbers) depend on the request alone.
         """
+        self.running = [r for r in self.running if not self._take_aborted(r)]
         batch, lens, left = [], [], self.budget
         for r in self.running:
             if r.remaining <= 0 or left <= 0:
@@ -270,6 +296,8 @@ class Scheduler:
             left -= n
         if batch:
             self.runner.extend(batch, lens)
+            if faults.ACTIVE:  # tests only: a pass that takes long (the client times out)
+                faults.after_extend([r.rid for r in batch])
         else:
             for r in self.running:
                 self.runner.decode(r)
@@ -315,6 +343,16 @@ class EngineServer:
             "batch_invariant": self.runner.batch_invariant,
         }
 
+    def server_info(self) -> dict:
+        """The subset of SGLang's /get_server_info the client records."""
+        return {
+            "version": __version__,
+            "engine": "reference",
+            "running": len(self.scheduler.running),
+            "waiting": self.scheduler.waiting.qsize(),
+            "aborted": self.scheduler.aborts[-100:],
+        }
+
     def generate(self, body: dict) -> tuple[int, dict]:
         ids = body.get("input_ids")
         if isinstance(ids, list) and ids and isinstance(ids[0], list):
@@ -336,7 +374,15 @@ class EngineServer:
         sp = body.get("sampling_params") or {}
         max_new = int(sp.get("max_new_tokens", 0) or 0)
         req = Request(rid=rid, input_ids=ids, max_new_tokens=max_new)
-        self.scheduler.submit(req).result()
+        try:
+            self.scheduler.submit(req).result()
+        except RequestAborted:
+            # As SGLang answers an aborted request: 200, finish reason "abort".
+            return 200, {
+                "text": "",
+                "output_ids": [],
+                "meta_info": {"id": rid, "finish_reason": {"type": "abort"}},
+            }
         if faults.ACTIVE:  # tests only: tamper with this request's dump pieces
             faults.after_generate(rid, len(ids), os.environ.get("SGLANG_HS_DUMP_DIR"))
         return 200, {
@@ -380,16 +426,21 @@ class EngineServer:
                     return self._send(200, "ok")
                 if self.path == "/get_model_info":
                     return self._send(200, engine.model_info())
+                if self.path == "/get_server_info":
+                    return self._send(200, engine.server_info())
                 self._send(404, {"error": f"no route {self.path}"})
 
             def do_POST(self) -> None:  # noqa: N802
                 if not self._authorized():
                     return self._send(HTTPStatus.UNAUTHORIZED, {"error": "bad api key"})
-                if self.path != "/generate":
+                if self.path not in ("/generate", "/abort_request"):
                     return self._send(404, {"error": f"no route {self.path}"})
                 try:
                     length = int(self.headers.get("Content-Length", 0))
                     body = json.loads(self.rfile.read(length) or b"{}")
+                    if self.path == "/abort_request":
+                        engine.scheduler.abort(str(body.get("rid") or ""))
+                        return self._send(200, "")
                     code, payload = engine.generate(body)
                 except Exception as exc:
                     log.exception("generate failed")

@@ -24,6 +24,9 @@ Spec (every key optional)::
       ],
       "chunk_write": [               # in the workflow's chunk writer (ChunkWriter.put)
         {"chunk": "chunk_00001", "nth": [3], "do": "enospc"}
+      ],
+      "extend": [                    # after each extend pass holding a matching request
+        {"rid": "chunk_00001", "nth": [1], "do": "slow", "seconds": 3}
       ]
     }
 
@@ -38,7 +41,9 @@ list, or ``"all"``, the default).  Actions:
   pieces sorted by start; default 0) -- half its bytes, or garbage in the JSON header;
 - ``drop``: delete one piece (default: the last) -- a coverage gap after completion;
 - ``flip_id``: change the first token id stored in one piece -- broken token parity;
-- ``enospc``: raise ``OSError(ENOSPC)`` from the chunk writer, as a full disk would.
+- ``enospc``: raise ``OSError(ENOSPC)`` from the chunk writer, as a full disk would;
+- ``slow``: the scheduler sleeps ``seconds`` after the pass, as a slow forward would, so a
+  request outlives the client's timeout with passes still to run.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ ENV = "HSEXTRACT_FAULTS"
 _GENERATE_ACTIONS = {"500", "hang", "kill"}
 _PIECE_ACTIONS = {"truncate", "bad_header", "drop", "flip_id"}
 _WRITE_ACTIONS = {"enospc"}
+_EXTEND_ACTIONS = {"slow"}
 
 
 class FaultSpecError(ValueError):
@@ -77,6 +83,7 @@ def load(raw: str | None) -> dict[str, Any] | None:
         ("generate", _GENERATE_ACTIONS),
         ("piece", _PIECE_ACTIONS),
         ("chunk_write", _WRITE_ACTIONS),
+        ("extend", _EXTEND_ACTIONS),
     ):
         for rule in spec.get(key, []):
             if rule.get("do") not in actions:
@@ -145,6 +152,16 @@ def before_generate(rid: str) -> tuple[int, dict] | None:
         os.kill(os.getpid(), signal.SIGKILL)
     threading.Event().wait()  # "hang": the connection stays open, no answer ever comes
     return None  # pragma: no cover
+
+
+def after_extend(rids: list[str]) -> None:
+    """Called by the engine's scheduler after each extend pass: make it a slow one."""
+    for rid in rids:
+        rule = _match("extend", "rid", rid)
+        if rule is not None:
+            _fired("slow", rid=rid, seconds=rule.get("seconds", 1))
+            time.sleep(float(rule.get("seconds", 1)))
+            return
 
 
 def after_generate(rid: str, length: int, dump_dir: str | None, timeout_s: float = 60) -> None:

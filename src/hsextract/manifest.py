@@ -1,47 +1,110 @@
-"""The manifest behind ``extract_all``: every chunk with sha256, records, tokens, bytes."""
+"""The manifest behind ``extract_all``, and ``hsextract verify``: no stale chunk passes as good.
+
+Three things must agree for a chunk to be listed: its file (the tensors and the content
+digest in its metadata), ``chunks/index.json`` (the records split_chunks assigned it, by
+content digest) and ``merged/train.jsonl`` (the data those records came from, by sha256).
+The manifest checks the cheap links on every run; ``verify`` re-derives everything from
+the bytes: each chunk file's sha256, the digest of the records it really holds, and the
+digest of the lines of train.jsonl the index points at.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
 
-from hsextract.chunks import ChunkFileError, check_chunk, sha256_file
+import numpy as np
+import orjson
+
+from hsextract.chunks import (
+    ChunkFileError,
+    ChunkReader,
+    check_chunk,
+    content_digest_of,
+    sha256_file,
+)
 from hsextract.config import fingerprint, public_config
 from hsextract.errors import HsextractError
+from hsextract.records import content_digest, read_index, record_digest
 from hsextract.server import write_json
 
 
-def build_manifest(sidecars: list[Path], *, stats: Path, out: Path, cfg: dict) -> dict:
-    """Cross-check each chunk file against its sidecar (size, structure) and list them.
+class ManifestError(HsextractError):
+    """A chunk does not match the data it claims to hold."""
 
-    Hashes are taken from the sidecars, which the extractor computed from the bytes it
-    fsynced; re-hashing terabytes here would double the I/O.  ``hsextract verify`` re-hashes.
+
+def _redo(path: Path) -> str:
+    return f"delete it and rerun `snakemake -j1 {path}` (or extract_all)"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def build_manifest(sidecars: list[Path], *, stats: Path, index: Path, out: Path, cfg: dict) -> dict:
+    """Cross-check each chunk against its sidecar, the index and train.jsonl; list them.
+
+    Hashes of the chunk files are taken from the sidecars, which the extractor computed
+    from the bytes it fsynced; re-hashing terabytes here would double the I/O.
+    ``hsextract verify`` re-hashes.
     """
     root = out.parent
+    idx = read_index(index)
+    entries = {Path(e["path"]).stem: e for e in idx["chunks"]}
+    train = Path(index).parent.parent / "merged" / idx["source"]
+    if _sha256(train) != idx["source_sha256"]:
+        raise ManifestError(
+            f"{train} changed after split_chunks ({index} was made from another version); "
+            "rerun `snakemake -j1 extract_all` (the split reruns, changed chunks re-extract)"
+        )
+    fp = fingerprint(cfg)
     chunks = []
     for sc in sidecars:
         meta = json.loads(Path(sc).read_text())
         path = Path(sc).with_name(meta["path"])
+        name = meta["chunk"]
         if not path.exists():
-            raise HsextractError(
-                f"{path} is missing though its sidecar {sc} exists: rerun that chunk"
-            )
+            raise ManifestError(f"{path} is missing though its sidecar {sc} exists: {_redo(path)}")
         size = path.stat().st_size
         if size != meta["bytes"]:
-            raise HsextractError(
-                f"{path}: {size} bytes on disk, sidecar says {meta['bytes']}: the file changed "
-                f"after extraction; delete it and rerun `snakemake -j1 {path}`"
+            raise ManifestError(
+                f"chunk {name}: {path} is {size} bytes on disk, its sidecar says "
+                f"{meta['bytes']}: the file changed after extraction; {_redo(path)}"
             )
         try:
             check_chunk(path, expect_records=meta["records"])
         except ChunkFileError as exc:
-            raise HsextractError(f"{exc}; delete it and rerun `snakemake -j1 {path}`") from exc
+            raise ManifestError(f"chunk {name}: {exc}; {_redo(path)}") from exc
+        entry = entries.get(name)
+        file_meta = ChunkReader(path).metadata
+        file_digest = file_meta.get("content_digest")
+        problem = None
+        if entry is None:
+            problem = f"{index} lists no chunk {name}"
+        elif meta.get("fingerprint") != fp or file_meta.get("fingerprint") != fp:
+            problem = f"it was extracted for fingerprint {file_meta.get('fingerprint')}, not {fp}"
+        elif not (meta.get("content_digest") == file_digest == entry["content_digest"]):
+            problem = (
+                f"it holds records with content digest {str(file_digest)[:12]}... (sidecar "
+                f"{str(meta.get('content_digest'))[:12]}...), but {index} assigns it "
+                f"{entry['content_digest'][:12]}...: stale hidden states of other data"
+            )
+        elif meta["records"] != entry["records"]:
+            problem = f"{meta['records']} records, the index says {entry['records']}"
+        if problem:
+            raise ManifestError(f"chunk {name}: {problem}; {_redo(path)}")
         chunks.append(
             {
-                "chunk": meta["chunk"],
+                "chunk": name,
                 "path": str(path.relative_to(root)),
                 "sha256": meta["sha256"],
+                "content_digest": entry["content_digest"],
                 "records": meta["records"],
                 "tokens": meta["tokens"],
                 "bytes": size,
@@ -50,7 +113,7 @@ def build_manifest(sidecars: list[Path], *, stats: Path, out: Path, cfg: dict) -
     first = json.loads(Path(sidecars[0]).read_text()) if sidecars else {}
     manifest = {
         "format_version": "1",
-        "fingerprint": fingerprint(cfg),
+        "fingerprint": fp,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "engine": cfg["engine"],
         "model": cfg["model"]["path"],
@@ -65,6 +128,13 @@ def build_manifest(sidecars: list[Path], *, stats: Path, out: Path, cfg: dict) -
         "merge_stats": str(Path(stats).relative_to(root))
         if Path(stats).is_relative_to(root)
         else str(stats),
+        "data": {
+            "index": str(Path(index).relative_to(root))
+            if Path(index).is_relative_to(root)
+            else str(index),
+            "train_sha256": idx["source_sha256"],
+            "records": idx["source_records"],
+        },
         "config": public_config(cfg),
         "chunks": chunks,
     }
@@ -72,16 +142,86 @@ def build_manifest(sidecars: list[Path], *, stats: Path, out: Path, cfg: dict) -
     return manifest
 
 
+def _train_digests(train: Path, entries: list[dict]) -> tuple[dict[str, str], list[str]]:
+    """Per chunk, the content digest of the train.jsonl lines the index points at; and
+    what is wrong with the coverage (every line in exactly one chunk)."""
+    data = train.read_bytes()
+    ends = np.flatnonzero(np.frombuffer(data, np.uint8) == 10)
+    starts = {0, *(ends[ends + 1 < len(data)] + 1).tolist()} if data else set()
+    seen: dict[int, str] = {}
+    problems, out = [], {}
+    for e in entries:
+        name = Path(e["path"]).stem
+        digests = []
+        for off, length in e["lines"]:
+            if off in seen:
+                problems.append(f"{train} byte {off}: in both {seen[off]} and {name}")
+            seen[off] = name
+            obj = orjson.loads(data[off : off + length])
+            digests.append(record_digest(str(obj["id"]), obj["input_ids"], obj["loss_mask"]))
+        out[name] = content_digest(digests)
+    missing = sorted(starts - set(seen))
+    if missing:
+        problems.append(f"{train}: {len(missing)} line(s) in no chunk (first at byte {missing[0]})")
+    return out, problems
+
+
 def verify_manifest(path: Path) -> list[str]:
-    """Re-hash every chunk listed; return the problems (empty when all match)."""
-    data = json.loads(Path(path).read_text())
-    problems = []
+    """Re-derive everything a manifest claims; return the problems (empty when all hold).
+
+    Each chunk file: present, its sha256 the manifest's, the records it really holds
+    (digest of its own ids, masks and record ids) the ones the index assigns it, and the
+    index's digest that of the train.jsonl lines it points at, each line in one chunk.
+    """
+    path = Path(path)
+    root = path.parent
+    data = json.loads(path.read_text())
+    problems: list[str] = []
+    index_path = root / data.get("data", {}).get("index", "chunks/index.json")
+    try:
+        idx = read_index(index_path)
+    except HsextractError as exc:
+        return [f"{index_path}: {exc}"]
+    entries = {Path(e["path"]).stem: e for e in idx["chunks"]}
+    train = index_path.parent.parent / "merged" / idx["source"]
+    if not train.exists():
+        problems.append(f"{train}: missing")
+        want: dict[str, str] = {}
+    elif _sha256(train) != idx["source_sha256"]:
+        problems.append(f"{train}: changed after split_chunks ({index_path} is of another)")
+        want = {}
+    else:
+        want, coverage = _train_digests(train, idx["chunks"])
+        problems += coverage
+        for name, digest in want.items():
+            if digest != entries[name]["content_digest"]:
+                problems.append(f"{index_path}: {name}'s digest is not its train.jsonl lines'")
+    listed = {c["chunk"] for c in data["chunks"]}
+    for name in sorted(set(entries) - listed):
+        problems.append(f"chunk {name}: in {index_path} but not in the manifest")
     for c in data["chunks"]:
-        f = Path(path).parent / c["path"]
+        f = root / c["path"]
+        name = c["chunk"]
         if not f.exists():
-            problems.append(f"{f}: missing")
+            problems.append(f"chunk {name}: {f} missing")
             continue
         digest = sha256_file(f)
         if digest != c["sha256"]:
-            problems.append(f"{f}: sha256 {digest} != manifest {c['sha256']}")
+            problems.append(f"chunk {name}: {f}: sha256 {digest} != manifest {c['sha256']}")
+            continue
+        entry = entries.get(name)
+        if entry is None:
+            problems.append(f"chunk {name}: {f} is not a chunk of {index_path}")
+            continue
+        try:
+            held = content_digest_of(f)
+        except (ChunkFileError, OSError, ValueError) as exc:
+            problems.append(f"chunk {name}: {f}: unreadable ({exc})")
+            continue
+        if held != entry["content_digest"]:
+            problems.append(
+                f"chunk {name}: {f} holds records (digest {held[:12]}...) other than the "
+                f"ones {index_path} assigns it ({entry['content_digest'][:12]}...): stale; "
+                f"{_redo(f)}"
+            )
     return problems

@@ -26,9 +26,9 @@ import contextlib
 import ctypes
 import glob
 import hashlib
-import heapq
 import json
 import os
+import re
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -50,6 +50,8 @@ RANGE_BYTES = 8 << 20
 #: Below this many input bytes the merge runs in-process: a pool costs more than it saves.
 PARALLEL_MIN_BYTES = 16 << 20
 OVERLENGTH_POLICIES = ("truncate", "drop")
+#: chunks/index.json layout: 2 added content digests and hash assignment.
+INDEX_FORMAT = 2
 
 _WS = b" \t\r\n"
 _IDS_KEY = b'"input_ids"'
@@ -931,72 +933,150 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _assign_chunks(tokens: list[int], n: int) -> list[list[int]]:
-    """Longest-first onto the least-loaded chunk (ties: lower index), then merged order.
+#: How records are assigned to chunks; recorded in the index (a change re-extracts all).
+ASSIGNMENT = "sha256(id)[:8] mod n_chunks; within a chunk by (hash, id)"
 
-    Deterministic, within one record of even by tokens, and no chunk is empty while
-    there are at least as many records as chunks.
+
+def id_hash(rid: str) -> int:
+    """A stable 64-bit hash of a record id: the same on every machine and Python."""
+    return int.from_bytes(hashlib.sha256(rid.encode()).digest()[:8], "big")
+
+
+def record_digest(rid: str, input_ids: Any, loss_mask: Any) -> bytes:
+    """What a record contributes to its chunk's numbers: its id, tokens and loss mask.
+
+    Defined on values (int32 ids, uint8 mask), not on JSON bytes, so the same digest comes
+    from a JSON line (split, verify) and from a chunk file's own tensors (plan, verify).
+    Other keys a record carries do not change the hidden states and are left out.
     """
-    heap = [(0, c) for c in range(n)]
-    members: list[list[int]] = [[] for _ in range(n)]
-    for i in sorted(range(len(tokens)), key=lambda i: (-tokens[i], i)):
-        load, c = heapq.heappop(heap)
-        members[c].append(i)
-        heapq.heappush(heap, (load + tokens[i], c))
-    return [sorted(m) for m in members]
+    ids = np.ascontiguousarray(input_ids, dtype="<i4")
+    mask = np.ascontiguousarray(loss_mask, dtype=np.uint8)
+    b = rid.encode()
+    h = hashlib.sha256(len(b).to_bytes(4, "little"))
+    h.update(b)
+    h.update(len(ids).to_bytes(4, "little"))
+    h.update(ids.tobytes())
+    h.update(mask.tobytes())
+    return h.digest()
+
+
+def content_digest(record_digests: Sequence[bytes]) -> str:
+    """A chunk's content digest: its records' digests in chunk order."""
+    h = hashlib.sha256(b"hsextract-chunk-content-v1")
+    for d in record_digests:
+        h.update(d)
+    return h.hexdigest()
+
+
+def _digest_task(task: tuple[str, int, int]) -> tuple[list[str], list[int], list[bytes]]:
+    """Worker: ids, id hashes and record digests of every line of one byte range."""
+    path, start, end = task
+    with open(path, "rb") as f:
+        buf = os.pread(f.fileno(), end - start, start)
+    ids: list[str] = []
+    hashes: list[int] = []
+    digests: list[bytes] = []
+    for lo, hi, _ in _iter_lines(buf):
+        obj = orjson.loads(buf[lo:hi])
+        rid = str(obj["id"])
+        ids.append(rid)
+        hashes.append(id_hash(rid))
+        digests.append(record_digest(rid, obj["input_ids"], obj["loss_mask"]))
+    return ids, hashes, digests
 
 
 def split_chunks(
     merged: Path, outputs: Sequence[Path], index_out: Path, *, workers: int | None = None
 ) -> list[dict[str, Any]]:
-    """Split train.jsonl into exactly len(outputs) chunk files and an index of their sha256.
+    """Split train.jsonl into exactly len(outputs) chunk files and an index describing them.
 
-    The merged file is re-validated (structure only) so a hand-edited train.jsonl fails
-    here, not in the middle of extraction.  Chunk lines are the merged lines, byte for byte.
+    A record goes to chunk ``id_hash(id) % n_chunks`` and a chunk lists its records by
+    (hash, id): a chunk's content depends only on which records exist, not on the merge's
+    shuffle or on any other chunk, so adding or removing a few records changes a few
+    chunks and a new ``seed`` changes none.  The index carries each chunk's content digest
+    (see :func:`record_digest`), which is what decides whether its hidden states are
+    current.  The merged file is re-validated (structure only) so a hand-edited
+    train.jsonl fails here, not in the middle of extraction.  Chunk lines are the merged
+    lines, byte for byte.
     """
     merged, outputs = Path(merged), [Path(p) for p in outputs]
     if not outputs:
         raise InputError("split_chunks needs at least one output (config key: n_chunks)")
     limits = _Limits(INT32_BOUND, None, "truncate")
-    tasks = [(str(merged), a, b, limits) for a, b in _plan_ranges(merged, RANGE_BYTES)]
+    ranges = _plan_ranges(merged, RANGE_BYTES)
+    tasks = [(str(merged), a, b, limits) for a, b in ranges]
     with _pool(workers or min(os.cpu_count() or 1, 8), merged.stat().st_size) as pool:
         results = _map(pool, _scan_task, tasks)
-    base = 0
-    for res in results:
-        if res.rejects or res.blank:
-            line, reason = (res.rejects[0][:2]) if res.rejects else (-1, "blank line")
-            raise ChunkInputError(
-                f"{merged}: line {base + line + 1 if line >= 0 else '?'} is not a valid record "
-                f"({reason}); it changed after merge_and_shuffle: delete it and rerun "
-                "merge_and_shuffle"
-            )
-        base += res.n_lines
+        base = 0
+        for res in results:
+            if res.rejects or res.blank:
+                line, reason = (res.rejects[0][:2]) if res.rejects else (-1, "blank line")
+                raise ChunkInputError(
+                    f"{merged}: line {base + line + 1 if line >= 0 else '?'} is not a valid "
+                    f"record ({reason}); it changed after merge_and_shuffle: delete it and "
+                    "rerun merge_and_shuffle"
+                )
+            base += res.n_lines
+        digested = _map(pool, _digest_task, [(str(merged), a, b) for a, b in ranges])
     offsets = np.concatenate([r.offset for r in results]).tolist() if results else []
     lengths = np.concatenate([r.length for r in results]).tolist() if results else []
     tokens = np.concatenate([r.tokens for r in results]).tolist() if results else []
+    rids = [i for d in digested for i in d[0]]
+    hashes = [h for d in digested for h in d[1]]
+    digests = [g for d in digested for g in d[2]]
+    dup = next((r for r, c in Counter(rids).items() if c > 1), None)
+    if dup is not None:
+        raise ChunkInputError(
+            f"{merged}: record id {dup!r} appears more than once; it changed after "
+            "merge_and_shuffle: delete it and rerun merge_and_shuffle"
+        )
+    n = len(outputs)
+    members: list[list[int]] = [[] for _ in range(n)]
+    for i in sorted(range(len(rids)), key=lambda i: (hashes[i], rids[i])):
+        members[hashes[i] % n].append(i)
     buf = merged.read_bytes()
+    source_sha = hashlib.sha256(buf).hexdigest()
     chunks = []
-    for path, members in zip(outputs, _assign_chunks(tokens, len(outputs)), strict=True):
-        data = b"".join(buf[offsets[i] : offsets[i] + lengths[i]] + b"\n" for i in members)
+    for path, member in zip(outputs, members, strict=True):
+        data = b"".join(buf[offsets[i] : offsets[i] + lengths[i]] + b"\n" for i in member)
         path.parent.mkdir(parents=True, exist_ok=True)
         _write_atomic(path, data)
-        lens = [tokens[i] for i in members]
+        lens = [tokens[i] for i in member]
         chunks.append(
             {
                 "path": path.name,
-                "records": len(members),
+                "records": len(member),
                 "tokens": sum(lens),
                 "max_len": max(lens, default=0),
                 "bytes": len(data),
                 "sha256": hashlib.sha256(data).hexdigest(),
+                "content_digest": content_digest([digests[i] for i in member]),
                 # Where each line sits in train.jsonl: a lost chunk file is rebuilt from
-                # these (restore_chunk) without re-splitting, so nothing else reruns.
-                "lines": [[offsets[i], lengths[i]] for i in members],
+                # these (restore_chunk) without re-splitting, and verify re-reads them.
+                "lines": [[offsets[i], lengths[i]] for i in member],
             }
         )
-    index = {"format": 1, "source": merged.name, "chunks": chunks}
+    _remove_orphan_chunks(outputs)
+    index = {
+        "format": INDEX_FORMAT,
+        "source": merged.name,
+        "source_sha256": source_sha,
+        "source_records": len(rids),
+        "assignment": ASSIGNMENT,
+        "n_chunks": n,
+        "chunks": chunks,
+    }
     _write_atomic(Path(index_out), _dump_json(index))
     return chunks
+
+
+def _remove_orphan_chunks(outputs: Sequence[Path]) -> None:
+    """Chunk files of a larger n_chunks left beside these: a fresh split has none."""
+    names = {p.name for p in outputs}
+    for d in {p.parent for p in outputs}:
+        for old in d.glob("chunk_*.jsonl"):
+            if old.name not in names and re.fullmatch(r"chunk_\d{5}\.jsonl", old.name):
+                old.unlink(missing_ok=True)
 
 
 def restore_chunk(path: Path, index: Path, merged: Path) -> None:
@@ -1007,7 +1087,7 @@ def restore_chunk(path: Path, index: Path, merged: Path) -> None:
     result must hash to the index's sha256, else train.jsonl itself changed.
     """
     path, merged = Path(path), Path(merged)
-    entry = _index_entry(path, index)
+    entry = index_entry(path, index)
     if "lines" not in entry:
         raise ChunkInputError(
             f"{index} predates line offsets; rerun split_chunks to rebuild {path}"
@@ -1030,7 +1110,7 @@ def restore_chunk(path: Path, index: Path, merged: Path) -> None:
     _write_atomic(path, data)
 
 
-def _index_entry(path: Path, index: Path) -> dict[str, Any]:
+def index_entry(path: Path, index: Path) -> dict[str, Any]:
     try:
         entries = orjson.loads(Path(index).read_bytes())["chunks"]
     except (OSError, orjson.JSONDecodeError, KeyError, TypeError) as e:
@@ -1041,6 +1121,25 @@ def _index_entry(path: Path, index: Path) -> dict[str, Any]:
         if entry.get("path") == path.name:
             return entry
     raise ChunkInputError(f"{path.name} is not listed in {index}; rerun split_chunks")
+
+
+def read_index(index: Path) -> dict[str, Any]:
+    """chunks/index.json of the current layout, or a ChunkInputError saying what to rerun."""
+    try:
+        data = orjson.loads(Path(index).read_bytes())
+    except (OSError, orjson.JSONDecodeError) as e:
+        raise ChunkInputError(f"cannot read chunk index {index} ({e}); rerun split_chunks") from e
+    if not isinstance(data, dict) or data.get("format") != INDEX_FORMAT:
+        raise ChunkInputError(
+            f"{index} has layout {data.get('format') if isinstance(data, dict) else '?'}, "
+            f"this hsextract writes {INDEX_FORMAT}; rerun split_chunks (snakemake does)"
+        )
+    return data
+
+
+def records_digest(records: Sequence[Record]) -> str:
+    """The content digest of records as the client loaded them (see :func:`record_digest`)."""
+    return content_digest([record_digest(r.id, r.input_ids, r.loss_mask) for r in records])
 
 
 def load_chunk(
@@ -1066,7 +1165,7 @@ def load_chunk(
     except OSError as e:
         raise ChunkInputError(f"cannot read chunk {path}: {e}; rerun split_chunks") from e
     if index is not None:
-        entry = _index_entry(path, index)
+        entry = index_entry(path, index)
         got = hashlib.sha256(data).hexdigest()
         if got != entry.get("sha256"):
             raise ChunkInputError(

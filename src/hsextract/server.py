@@ -22,7 +22,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,12 @@ class ServerError(HsextractError):
 
 @dataclass
 class ServerSpec:
-    """Everything needed to (re)start the server; recorded in server.json."""
+    """Everything needed to (re)start the server; recorded in server.json and live.json.
+
+    ``settings`` are the config values the server runs with (``config.launch_settings``):
+    a live server whose settings digest differs from the config's is replaced, so a changed
+    chunked-prefill size or SGLang flag takes effect at the next launch.
+    """
 
     engine: str
     argv: list[str]
@@ -52,11 +57,18 @@ class ServerSpec:
     health_timeout_s: float = 900.0
     api_key_env: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
+
+    @property
+    def settings_digest(self) -> str:
+        from hsextract.config import settings_digest
+
+        return settings_digest(self.settings)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -102,6 +114,18 @@ def health(url: str, timeout: float = 5.0, api_key: str | None = None) -> bool:
         return False
 
 
+def server_version(url: str, api_key: str | None = None, timeout: float = 30.0) -> str | None:
+    """The engine's own version (SGLang's /get_server_info ``version``), if it says."""
+    import requests
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = requests.get(f"{url}/get_server_info", timeout=timeout, headers=headers)
+        return str(resp.json().get("version")) if resp.status_code == 200 else None
+    except (requests.RequestException, ValueError, AttributeError):
+        return None
+
+
 def model_info(url: str, api_key: str | None = None, timeout: float = 30.0) -> dict:
     import requests
 
@@ -124,7 +148,7 @@ def log_tail(path: str | Path, lines: int = 30) -> str:
 def start(spec: ServerSpec, *, owner: int | None = None) -> dict:
     """Start the server detached, start its watchdog, wait for health; return live state."""
     Path(spec.log_path).parent.mkdir(parents=True, exist_ok=True)
-    prepare_dump_dir(Path(spec.dump_dir))
+    prepare_dump_dir(Path(spec.dump_dir), owner=spec.extra.get("run_dir"))
     env = {**os.environ, **spec.env}
     if spec.api_key_env and spec.api_key_env not in env:
         raise ServerError(f"server needs the API key in ${spec.api_key_env}, which is unset")
@@ -177,6 +201,7 @@ def start(spec: ServerSpec, *, owner: int | None = None) -> dict:
         time.sleep(0.2)
     state["healthy_at"] = time.time()
     state["model_info"] = model_info(spec.url, api_key)
+    state["server_version"] = server_version(spec.url, api_key)
     return state
 
 
@@ -256,44 +281,87 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def is_serving(state: dict | None, fingerprint: str) -> bool:
-    """Our process, alive, healthy, and serving the run we expect."""
+def _api_key_for(spec: dict) -> str | None:
+    return os.environ.get(spec.get("api_key_env") or API_KEY_ENV)
+
+
+def is_serving(
+    state: dict | None, spec: ServerSpec, *, probes: int = 1, interval_s: float = 0.0
+) -> bool:
+    """Our process, alive, serving this run with these settings, and healthy.
+
+    A server whose process is alive gets ``probes`` health checks ``interval_s`` apart
+    before it counts as unhealthy: one slow answer from a busy 8-GPU server must not make
+    a chunk job replace it under every other job.
+    """
     if not state or not pid_alive(state.get("pid")):
         return False
-    spec = state.get("spec", {})
-    if spec.get("fingerprint") != fingerprint:
+    live = state.get("spec", {})
+    if live.get("fingerprint") != spec.fingerprint:
         return False
-    return health(state["url"], api_key=os.environ.get(spec.get("api_key_env") or API_KEY_ENV))
+    if ServerSpec(**live).settings_digest != spec.settings_digest:
+        return False
+    for attempt in range(max(1, probes)):
+        if attempt:
+            time.sleep(interval_s)
+            if not pid_alive(state.get("pid")):
+                return False
+        if health(state["url"], timeout=10.0, api_key=_api_key_for(live)):
+            return True
+    return False
 
 
-def ensure(server_json: Path, *, gate=None) -> dict:
-    """Return live state of a healthy server for this run, relaunching it if it is gone.
+def ensure(
+    spec: ServerSpec,
+    state_dir: Path,
+    *,
+    gate=None,
+    probes: int = 1,
+    interval_s: float = 0.0,
+) -> dict:
+    """Live state of a healthy server for this run started with ``spec``'s settings.
 
-    ``gate`` (a no-argument callable) runs before a relaunch: for SGLang that re-checks the
-    GPUs are clean, since whatever killed the server may still hold them.
+    If this host's live server is gone, unhealthy after ``probes`` checks, or runs other
+    settings (the config changed since it started), it is replaced, under a file lock so
+    that concurrent chunk jobs start one server between them.  ``gate`` (a no-argument
+    callable) runs before a start: for SGLang it re-checks that the GPUs are clean, since
+    whatever killed the server may still hold them.
     """
     from filelock import FileLock
 
-    recorded = read_json(server_json)
-    if recorded is None:
-        raise ServerError(f"{server_json} is missing or unreadable: run the launch_server rule")
-    spec = ServerSpec(**recorded["spec"])
-    state_dir = Path(server_json).parent
     live = live_path(state_dir)
+    live.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(live) + ".lock"):
         state = read_json(live)
-        if is_serving(state, spec.fingerprint):
+        if is_serving(state, spec, probes=probes, interval_s=interval_s):
             return state  # type: ignore[return-value]
         if state:
-            stop(state)  # half-dead or unhealthy: make sure nothing of it lingers
+            why = _why_replaced(state, spec)
+            print(f"hsextract: replacing the server of {live.name}: {why}", file=sys.stderr)
+            stop(state)  # half-dead, unhealthy or stale: make sure nothing of it lingers
         if gate is not None:
             gate()
         if spec.extra.get("port_auto"):
-            spec.port = free_port(spec.host)
+            spec = replace(spec, port=free_port(spec.host))
             spec.argv = _with_port(spec.argv, spec.port)
         state = start(spec)
         write_json(live, state)
         return state
+
+
+def _why_replaced(state: dict, spec: ServerSpec) -> str:
+    live = state.get("spec", {})
+    if not pid_alive(state.get("pid")):
+        return f"its process {state.get('pid')} is gone"
+    if live.get("fingerprint") != spec.fingerprint:
+        return f"it serves fingerprint {live.get('fingerprint')}"
+    old = live.get("settings", {})
+    changed = sorted(k for k in set(old) | set(spec.settings) if old.get(k) != spec.settings.get(k))
+    if changed:
+        return "the config changed since it started: " + ", ".join(
+            f"{k} {old.get(k)!r} -> {spec.settings.get(k)!r}" for k in changed
+        )
+    return "it did not answer /health"
 
 
 def _with_port(argv: list[str], port: int) -> list[str]:
@@ -321,11 +389,12 @@ def stop_live(state_dir: Path) -> bool:
     return True
 
 
-def prepare_dump_dir(path: Path) -> Path:
+def prepare_dump_dir(path: Path, owner: str | None = None) -> Path:
     """Create the dump dir as ours (mode 0700) or accept an existing one only if it is ours.
 
     /dev/shm is world-writable: another user could pre-create our name as a symlink or a
-    dir they own and read, swap or plant pieces.  Refuse both.
+    dir they own and read, swap or plant pieces.  Refuse both.  The marker names the run
+    dir that owns it, so stale deletion never touches another output root's pieces.
     """
     from hsextract.config import RUN_MARKER
 
@@ -347,13 +416,20 @@ def prepare_dump_dir(path: Path) -> Path:
             os.chmod(path, 0o700)
     except FileNotFoundError:
         raise ServerError(f"parent of dump dir {path} does not exist (dump.dir)") from None
-    (path / RUN_MARKER).touch()
+    marker = path / RUN_MARKER
+    if owner is not None:
+        run = Path(owner).resolve()
+        info = {"kind": "dump", "run_dir": str(run), "output_root": str(run.parent)}
+        if read_json(marker) != info:
+            write_json(marker, info)
+    elif not marker.exists():
+        marker.touch()
     return path
 
 
 def build_spec(cfg: dict, *, run_dir: Path, log_path: Path) -> ServerSpec:
     """The launch spec for the configured engine, from the config alone."""
-    from hsextract.config import dump_dir, fingerprint
+    from hsextract.config import dump_dir, fingerprint, launch_settings
 
     server = cfg["server"]
     port_auto = server["port"] == 0
@@ -400,18 +476,37 @@ def build_spec(cfg: dict, *, run_dir: Path, log_path: Path) -> ServerSpec:
         health_timeout_s=float(server["health_timeout_s"]),
         api_key_env=api_key_env,
         extra={"port_auto": port_auto, "run_dir": str(run_dir)},
+        settings=launch_settings(cfg),
     )
 
 
 def remove_dump_dir_if_empty(path: Path) -> bool:
-    """Drop our dump dir when nothing but its marker is left: /dev/shm is RAM."""
+    """Drop our dump dir when no piece and no live reservation is left: /dev/shm is RAM.
+
+    Called once the server is stopped, so its tombstones (``.abandoned``) have done their
+    job; the budget ledger (``.budget``) goes when it holds no reservation of a live job.
+    """
+    import shutil
+
+    from hsextract.budget import LEDGER_DIR, SharedByteBudget
+    from hsextract.capture import ABANDONED_DIR
     from hsextract.config import RUN_MARKER
 
     path = Path(path)
     if path.is_symlink() or not path.is_dir() or path.stat().st_uid != os.getuid():
         return False
-    if {p.name for p in path.iterdir()} - {RUN_MARKER}:
+    if {p.name for p in path.iterdir()} - {RUN_MARKER, ABANDONED_DIR, LEDGER_DIR}:
         return False
+    if (path / LEDGER_DIR).is_dir():
+        ledger = SharedByteBudget(path, 0)
+        try:
+            if ledger.reserved():
+                return False
+        finally:
+            ledger.close()
+    for sub in (ABANDONED_DIR, LEDGER_DIR):
+        if (path / sub).is_dir() and not (path / sub).is_symlink():
+            shutil.rmtree(path / sub, ignore_errors=True)
     (path / RUN_MARKER).unlink(missing_ok=True)
     try:
         path.rmdir()

@@ -1,17 +1,32 @@
 """Guarded deletion of stale hidden states (the seed deleted 924 GB by hand).
 
-Only directories this pipeline created are ever removed: a run dir
-``<output_root>/<fingerprint>/`` or a dump dir, each carrying ``RUN_MARKER``.  The root
-is resolved first and must not be ``/``, ``$HOME`` or a mount point; candidates are
-direct children of the root, never reached through a symlink; the removal walk never
-follows a symlink and never crosses into another filesystem.  The report is written
-before anything is removed (what will go) and again after (what went).
+What may go, by default:
+
+* a run dir ``<output_root>/<fingerprint>/`` of another fingerprint that carries this
+  pipeline's marker, is ours (uid), is not in use -- no live server recorded in it, no
+  workflow holding its activity lock -- and holds no finished chunk.  A run with finished
+  chunks is kept unless ``stale.delete_finished`` is set: a changed setting, or an
+  hsextract upgrade, must never silently cost a multi-TB extraction.  The seed's use
+  (delete the old run before a new extraction) is that one setting;
+* a dump dir of this output root (its marker names the run dir that owns it) whose run
+  is removed, and the leftover pieces of this run's own dump dir when nothing is using it.
+
+Never: anything not carrying the marker, not ours (skipped, not an error), reached through
+a symlink, outside the resolved root, on another filesystem, or another output root's dump
+dir (two checkouts of the same config on one host share a fingerprint, not a dump dir).
+The root must not be ``/``, ``$HOME`` or a mount point.  The report is written before
+anything is removed (what will go) and again after (what went); ``preview`` computes the
+same plan without touching anything, for ``snakemake -n``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
+import json
 import os
+import socket
 import stat
 import time
 from pathlib import Path
@@ -22,11 +37,96 @@ import orjson
 from hsextract.config import RUN_MARKER
 from hsextract.errors import HsextractError
 
-__all__ = ["RUN_MARKER", "StaleDeletionError", "delete_stale"]
+__all__ = ["RUN_MARKER", "StaleDeletionError", "delete_stale", "hold_run_lock", "preview"]
+
+#: Per-invocation activity locks of a run dir: ``<host>-<pid>.lock``, flock'ed while alive.
+ACTIVE_DIR = Path("state") / "active"
 
 
 class StaleDeletionError(HsextractError):
     """The configured root is unsafe to clean, or a removal failed."""
+
+
+# --------------------------------------------------------------------------- in use
+
+
+_HELD: dict[str, int] = {}
+
+
+def hold_run_lock(run_dir: Path, owner_pid: int | None = None) -> Path:
+    """Mark this process as using ``run_dir`` until it exits (the Snakefile's onstart).
+
+    An exclusive ``flock`` on a per-process file: the kernel releases it when the process
+    dies, SIGKILL included, so a crashed workflow never pins a run dir forever.
+    """
+    pid = owner_pid or os.getpid()
+    d = Path(run_dir) / ACTIVE_DIR
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"{socket.gethostname()}-{pid}.lock"
+    if str(path) not in _HELD:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        _HELD[str(path)] = fd
+    return path
+
+
+def active_holders(run_dir: Path, *, exclude_pid: int | None = None) -> list[str]:
+    """Who is using a run dir now: its held activity locks and its live servers."""
+    run_dir = Path(run_dir)
+    host = socket.gethostname()
+    found: list[str] = []
+    d = run_dir / ACTIVE_DIR
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError, PermissionError):
+        for entry in os.scandir(d):
+            name = entry.name.removesuffix(".lock")
+            lhost, _, pid = name.rpartition("-")
+            if exclude_pid is not None and lhost == host and pid == str(exclude_pid):
+                continue
+            if lhost != host:
+                found.append(f"a workflow on host {lhost} (pid {pid}; {entry.path})")
+            elif _lock_held(entry.path):
+                found.append(f"a running workflow (pid {pid})")
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)  # its process is gone
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError, PermissionError):
+        for entry in os.scandir(run_dir / "state"):
+            if not (entry.name.startswith("server.") and entry.name.endswith(".live.json")):
+                continue
+            lhost = entry.name[len("server.") : -len(".live.json")]
+            try:
+                state = json.loads(Path(entry.path).read_text())
+            except (OSError, ValueError):
+                continue
+            pid = state.get("pid")
+            if lhost != host:
+                found.append(f"a server on host {lhost} (pid {pid}; {entry.path})")
+            elif _pid_alive(pid):
+                found.append(f"a live server (pid {pid})")
+    return found
+
+
+def _lock_held(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing releases a lock we just took
+    return False
+
+
+def _pid_alive(pid: Any) -> bool:
+    from hsextract.server import pid_alive
+
+    return pid_alive(pid)
+
+
+# --------------------------------------------------------------------------- safety
 
 
 def _safe_root(root: Path, what: str, *, allow_mount: bool = False) -> Path:
@@ -63,19 +163,49 @@ def _tree_bytes(path: Path) -> int:
     return total
 
 
-def _candidates(root: Path, keep_name: str | None) -> list[Path]:
-    """Marked real directories directly under root, except the current run's."""
+def _candidates(root: Path) -> tuple[list[Path], list[str]]:
+    """Marked real directories of ours directly under root; and what was skipped, why."""
     if not root.is_dir():
-        return []
-    found = []
+        return [], []
+    found, skipped = [], []
+    uid = os.getuid()
     for entry in os.scandir(root):
-        if entry.name == keep_name or not entry.is_dir(follow_symlinks=False):
-            continue  # symlinks (to anywhere) and files are never candidates
-        marker = os.path.join(entry.path, RUN_MARKER)
-        with contextlib.suppress(FileNotFoundError):
-            if stat.S_ISREG(os.lstat(marker).st_mode):
-                found.append(Path(entry.path))
-    return found
+        try:
+            if not entry.is_dir(follow_symlinks=False):
+                continue  # symlinks (to anywhere) and files are never candidates
+            if entry.stat(follow_symlinks=False).st_uid != uid:
+                skipped.append(f"{entry.path}: owned by another user")
+                continue
+            st = os.lstat(os.path.join(entry.path, RUN_MARKER))
+        except FileNotFoundError:
+            continue
+        except PermissionError as exc:
+            skipped.append(f"{entry.path}: {exc.strerror}")
+            continue
+        if stat.S_ISREG(st.st_mode):
+            found.append(Path(entry.path))
+    return found, skipped
+
+
+def _marker(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((path / RUN_MARKER).read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _finished_chunks(run: Path) -> int:
+    """Chunk files with their sidecar: what a deletion would cost in GPU hours."""
+    hidden = run / "hidden"
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError, PermissionError):
+        names = {e.name for e in os.scandir(hidden)}
+        return sum(
+            1
+            for n in names
+            if n.endswith(".safetensors") and n.removesuffix(".safetensors") + ".json" in names
+        )
+    return 0
 
 
 def _remove_tree(path: Path, dev: int) -> None:
@@ -105,32 +235,72 @@ def _clear_pieces(path: Path, dev: int) -> None:
         _remove_tree(child, dev)
 
 
-def _plan(
-    output_root: Path, fingerprint: str, dump_root: Path | None, keep_runs: int
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(to remove, kept) entries; runs are ordered newest first by their marker's mtime.
+# --------------------------------------------------------------------------- plan
 
-    A marked dump dir goes when its name carries the fingerprint of a run being removed;
-    the current run's dump dir loses its leftover pieces; any other marked dump dir may
-    belong to a live run elsewhere and is only reported.
-    """
-    runs = _candidates(output_root, fingerprint)
+
+def _plan(
+    root: Path,
+    current: Path,
+    droot: Path | None,
+    *,
+    keep_runs: int,
+    delete_finished: bool,
+    owner_pid: int | None,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+    """(to remove, kept, skipped); runs ordered newest first by their marker's mtime."""
+    runs, skipped = _candidates(root)
+    runs = [p for p in runs if p.name != current.name]
     runs.sort(key=lambda p: (-os.lstat(p / RUN_MARKER).st_mtime_ns, p.name))
-    kept = [{"path": str(p), "kind": "run", "why": "keep_runs"} for p in runs[:keep_runs]]
-    remove = [{"path": str(p), "kind": "run"} for p in runs[keep_runs:]]
-    stale_fps = {Path(i["path"]).name for i in remove}
-    if dump_root is not None:
-        for p in _candidates(dump_root, None):
-            if fingerprint in p.name:
-                if any(e.name != RUN_MARKER for e in os.scandir(p)):
-                    remove.append({"path": str(p), "kind": "dump_pieces"})
-            elif any(fp in p.name for fp in stale_fps):
-                remove.append({"path": str(p), "kind": "dump"})
+    remove: list[dict[str, Any]] = []
+    kept: list[dict[str, Any]] = []
+    deletable = []
+    for p in runs:
+        item: dict[str, Any] = {"path": str(p), "kind": "run", "bytes": _tree_bytes(p)}
+        users = active_holders(p)
+        finished = _finished_chunks(p)
+        item["finished_chunks"] = finished
+        if users:
+            kept.append({**item, "why": "in use by " + "; ".join(users)})
+        elif finished and not delete_finished:
+            kept.append(
+                {
+                    **item,
+                    "why": f"holds {finished} finished chunk(s); set stale.delete_finished: "
+                    "true to delete it",
+                }
+            )
+        else:
+            deletable.append(item)
+    kept += [{**i, "why": "stale.keep_runs"} for i in deletable[:keep_runs]]
+    remove += deletable[keep_runs:]
+    removed_runs = {str(Path(i["path"]).resolve()) for i in remove}
+    if droot is not None:
+        dumps, dskipped = _candidates(droot)
+        skipped += dskipped
+        tag = hashlib.sha256(str(root).encode()).hexdigest()[:6]
+        for p in dumps:
+            info = _marker(p)
+            if "output_root" not in info:  # written before markers named their run
+                parts = p.name.split("-")
+                if len(parts) >= 5 and parts[-1] == tag and parts[-3] == str(os.getuid()):
+                    info = {"output_root": str(root), "run_dir": str(root / parts[-2])}
+            if info.get("output_root") != str(root):
+                continue  # another output root's dump dir: not ours to touch
+            run = info.get("run_dir", "")
+            item = {"path": str(p), "kind": "dump", "run_dir": run, "bytes": _tree_bytes(p)}
+            if run in removed_runs:
+                remove.append(item)
+            elif run == str(current.resolve()):
+                users = active_holders(current, exclude_pid=owner_pid)
+                leftovers = any(e.name != RUN_MARKER for e in os.scandir(p))
+                if users and leftovers:
+                    kept.append({**item, "why": "this run's, in use by " + "; ".join(users)})
+                elif leftovers:  # the marker stays: its bytes are not freed
+                    freed = item["bytes"] - os.lstat(p / RUN_MARKER).st_size
+                    remove.append({**item, "kind": "dump_pieces", "bytes": freed})
             else:
-                kept.append({"path": str(p), "kind": "dump", "why": "not a run removed here"})
-    for item in remove:
-        item["bytes"] = _tree_bytes(Path(item["path"]))
-    return remove, kept
+                kept.append({**item, "why": f"its run {run} is kept"})
+    return remove, kept, skipped
 
 
 def _write_report(path: Path, report: dict[str, Any]) -> None:
@@ -140,41 +310,61 @@ def _write_report(path: Path, report: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def delete_stale(
-    output_root: Path,
-    current_fingerprint: str,
-    *,
-    dump_root: Path | None,
-    keep_runs: int,
-    dry_run: bool,
-    report_out: Path,
-) -> dict[str, Any]:
-    """Remove marked run dirs of other fingerprints and leftover marked dump dirs.
-
-    ``dump_root`` is the directory that holds dump dirs (e.g. ``/dev/shm`` or the parent
-    of ``dump.dir``); only its marked children are touched.  Returns the report.
-    """
-    if keep_runs < 0:
-        raise StaleDeletionError(f"stale.keep_runs must be >= 0, got {keep_runs}")
-    if not current_fingerprint or "/" in current_fingerprint or current_fingerprint in (".", ".."):
-        raise StaleDeletionError(f"bad fingerprint {current_fingerprint!r}")
+def _roots(output_root: Path, dump_root: Path | None) -> tuple[Path, Path | None]:
     root = _safe_root(Path(output_root), "output_root")
     droot = (
         _safe_root(Path(dump_root), "dump root", allow_mount=True)
         if dump_root is not None
         else None
     )
-    remove, kept = _plan(root, current_fingerprint, droot, keep_runs)
+    return root, droot
+
+
+def delete_stale(
+    output_root: Path,
+    current_run: Path,
+    *,
+    dump_root: Path | None,
+    keep_runs: int,
+    dry_run: bool,
+    report_out: Path,
+    delete_finished: bool = False,
+    owner_pid: int | None = None,
+) -> dict[str, Any]:
+    """Remove what the module doc says may go; return the report.
+
+    ``current_run`` is this run's dir (never a candidate); ``dump_root`` the directory
+    that holds dump dirs (e.g. ``/dev/shm`` or the parent of ``dump.dir``);
+    ``owner_pid`` the workflow process running this deletion (its own activity lock on
+    the current run does not count as another user).
+    """
+    if keep_runs < 0:
+        raise StaleDeletionError(f"stale.keep_runs must be >= 0, got {keep_runs}")
+    name = Path(current_run).name
+    if not name or name in (".", ".."):
+        raise StaleDeletionError(f"bad run dir {current_run!r}")
+    root, droot = _roots(output_root, dump_root)
+    current = root / name
+    remove, kept, skipped = _plan(
+        root,
+        current,
+        droot,
+        keep_runs=keep_runs,
+        delete_finished=delete_finished,
+        owner_pid=owner_pid,
+    )
     report: dict[str, Any] = {
         "output_root": str(root),
         "dump_root": str(droot) if droot else None,
-        "fingerprint": current_fingerprint,
+        "fingerprint": name,
         "dry_run": dry_run,
         "keep_runs": keep_runs,
+        "delete_finished": delete_finished,
         "status": "planned",
         "will_remove": remove,
         "will_remove_bytes": sum(i["bytes"] for i in remove),
         "kept": kept,
+        "skipped": skipped,
         "removed": [],
         "bytes_freed": 0,
     }
@@ -182,6 +372,8 @@ def delete_stale(
     if not dry_run:
         for item in remove:
             path = Path(item["path"])
+            if item["kind"] == "run" and active_holders(path):
+                continue  # it came into use since the plan: leave it
             dev = os.lstat(root if item["kind"] == "run" else droot).st_dev  # type: ignore[arg-type]
             if item["kind"] == "dump_pieces":
                 _clear_pieces(path, dev)
@@ -193,3 +385,27 @@ def delete_stale(
     report["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     _write_report(Path(report_out), report)  # after: what went
     return report
+
+
+def preview(
+    output_root: Path,
+    current_run: Path,
+    *,
+    dump_root: Path | None,
+    keep_runs: int,
+    delete_finished: bool,
+) -> list[str]:
+    """What ``delete_stale`` would remove and keep now, as lines for the terminal."""
+    from hsextract.budget import human
+
+    try:
+        root, droot = _roots(output_root, dump_root)
+    except StaleDeletionError as exc:
+        return [f"stale deletion will refuse: {exc}"]
+    current = root / Path(current_run).name
+    remove, kept, skipped = _plan(
+        root, current, droot, keep_runs=keep_runs, delete_finished=delete_finished, owner_pid=None
+    )
+    lines = [f"  remove {i['path']}  {human(i['bytes'])}  ({i['kind']})" for i in remove]
+    lines += [f"  keep   {i['path']}  {human(i['bytes'])}  ({i['why']})" for i in kept]
+    return lines

@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from hsextract.config import (
     RUN_MARKER,
     dump_dir,
     fingerprint,
+    launch_settings,
     public_config,
     read_model_config,
     run_dir,
@@ -36,20 +38,31 @@ def _mark_run_dir(cfg: dict) -> Path:
     return rd
 
 
+def write_settings(path: Path, values: dict) -> None:
+    """The settings file a stage's outputs were made with (its name is their digest, see
+    rules/common.smk); earlier ones of the same stage go."""
+    path = Path(path)
+    stage = path.name.rsplit("-", 1)[0]
+    for old in path.parent.glob(f"{stage}-*.json"):
+        if old != path and not old.is_symlink():
+            old.unlink(missing_ok=True)
+    write_json(path, values)
+
+
 def demo_data(sm: Any) -> None:
     from hsextract.demo import build_demo_data
 
-    build_demo_data(
-        [Path(p) for p in sm.output.shards], sm.params.demo, sm.params.max_seq_len, sm.params.seed
+    build_demo_data([Path(p) for p in sm.output.shards], sm.params.demo, sm.params.max_seq_len)
+    write_settings(
+        Path(sm.output.settings), {"demo": sm.params.demo, "max_seq_len": sm.params.max_seq_len}
     )
 
 
 def demo_model(sm: Any) -> None:
     from hsextract.demo import build_demo_model
 
-    build_demo_model(
-        Path(sm.output.config).parent, sm.params.demo, sm.params.max_seq_len, sm.params.seed
-    )
+    build_demo_model(Path(sm.output.config).parent, sm.params.demo)
+    write_settings(Path(sm.output.settings), {"demo": sm.params.demo})
 
 
 def merge_and_shuffle(sm: Any) -> None:
@@ -60,48 +73,63 @@ def merge_and_shuffle(sm: Any) -> None:
     stats = merge(
         list(sm.input.shards),
         Path(sm.output.train).parent,
-        max_seq_len=sm.params.max_seq_len,
-        overlength=sm.params.overlength,
-        seed=sm.params.seed,
+        max_seq_len=sm.params.settings["max_seq_len"],
+        overlength=sm.params.settings["overlength"],
+        seed=sm.params.settings["seed"],
         vocab_size=int(vocab) if vocab else None,
-        max_reject_fraction=sm.params.max_reject_fraction,
+        # Not a param: it decides whether the merge fails, not what it writes.
+        max_reject_fraction=sm.config["merge"]["max_reject_fraction"],
     )
     log.info(
         "merged: %s", json.dumps({k: v for k, v in stats.items() if not isinstance(v, dict | list)})
     )
+    write_settings(Path(sm.output.settings), sm.params.settings)
 
 
 def split_chunks(sm: Any) -> None:
     from hsextract.records import split_chunks as split
 
     split(Path(sm.input.train), [Path(p) for p in sm.output.chunks], Path(sm.output.index))
+    write_settings(Path(sm.output.settings), sm.params.settings)
 
 
 def delete_stale_states(sm: Any) -> None:
+    from hsextract.server import owner_pid
     from hsextract.stale import delete_stale
 
     cfg = sm.config
-    delete_stale(
+    report = delete_stale(
         Path(cfg["output_root"]),
-        fingerprint(cfg),
+        run_dir(cfg),
         dump_root=dump_dir(cfg).parent,
         keep_runs=sm.params.keep_runs,
         dry_run=sm.params.dry_run,
+        delete_finished=sm.params.delete_finished,
         report_out=Path(sm.output.report),
+        owner_pid=owner_pid(),
     )
+    for item in report["removed"]:
+        log.info("removed %s (%s, %d bytes)", item["path"], item["kind"], item["bytes"])
+    for item in report["kept"]:
+        log.info("kept %s: %s", item["path"], item["why"])
 
 
 def preflight_budget(sm: Any) -> None:
     from hsextract.budget import preflight
     from hsextract.client import model_geometry
+    from hsextract.plan import chunk_states
+    from hsextract.records import read_index
 
     cfg = sm.config
-    index = json.loads(Path(sm.input.index).read_text())
-    chunks = index["chunks"] if isinstance(index, dict) else index
+    chunks = read_index(Path(sm.input.index))["chunks"]
+    # Only what will be written counts: a rerun of one chunk of a 5 TB run needs one
+    # chunk's space, not the run's.
+    states = chunk_states(run_dir(cfg), Path(sm.input.index), fingerprint(cfg))
+    todo = [c for c, s in zip(chunks, states, strict=True) if not s.current]
     geo = model_geometry(cfg)
     report = preflight(
-        total_tokens=sum(int(c["tokens"]) for c in chunks),
-        max_len=max((int(c.get("max_len", 0)) for c in chunks), default=0),
+        total_tokens=sum(int(c["tokens"]) for c in todo),
+        max_len=max((int(c.get("max_len", 0)) for c in todo), default=0),
         hidden_size=geo.hidden_size,
         n_aux=len(geo.aux_layers),
         dtype=cfg["model"]["dtype"],
@@ -109,7 +137,9 @@ def preflight_budget(sm: Any) -> None:
         dump_dir=dump_dir(cfg),
         requests_in_flight=cfg["client"]["requests_in_flight"],
         shm_budget_bytes=int(float(cfg["dump"]["shm_budget_gb"]) * 2**30),
+        chunked_prefill_size=int(cfg["server"]["chunked_prefill_size"]),
     )
+    report["chunks_to_extract"] = len(todo)
     write_json(Path(sm.output.report), report)
 
 
@@ -211,19 +241,58 @@ def _export_api_key(cfg: dict) -> None:
         os.environ["HSEXTRACT_API_KEY"] = key
 
 
-def launch_server(sm: Any) -> None:
+def ensure_server(cfg: dict) -> dict:
+    """This host's live server for the config's run and settings, started if need be."""
     from hsextract import server
+
+    rd = run_dir(cfg)
+    _export_api_key(cfg)
+    spec = server.build_spec(cfg, run_dir=rd, log_path=rd / "logs" / "server.log")
+    return server.ensure(
+        spec,
+        rd / "state",
+        gate=_gate_for(cfg),
+        probes=int(cfg["server"]["health_probes"]),
+        interval_s=float(cfg["server"]["probe_interval_s"]),
+    )
+
+
+def launch_server(sm: Any) -> None:
+    """Record the launch spec; start the server only if some chunk needs extracting.
+
+    A data change whose chunks are all current (records whose extra keys changed, say)
+    re-plans without starting an 8-GPU server; a chunk job that needs one later starts it
+    through ``ensure()``.  A live server of this run with other settings is replaced.
+    """
+    from hsextract import server
+    from hsextract.plan import chunk_states
 
     cfg = sm.config
     rd = _mark_run_dir(cfg)
     _export_api_key(cfg)
-    state_dir = Path(sm.output.state).parent
-    server.stop_live(state_dir)  # a server of an earlier launch of this run: replace it
-    spec = server.build_spec(cfg, run_dir=rd, log_path=rd / "logs" / "server.log")
-    state = server.start(spec)
-    server.write_json(server.live_path(state_dir), state)
-    log.info("server healthy at %s (pid %s)", state["url"], state["pid"])
-    server.write_json(Path(sm.output.state), state)
+    todo = [
+        s.chunk for s in chunk_states(rd, Path(sm.input.index), fingerprint(cfg)) if not s.current
+    ]
+    if todo:
+        state = ensure_server(cfg)
+        log.info("server healthy at %s (pid %s)", state["url"], state["pid"])
+    else:
+        spec = server.build_spec(cfg, run_dir=rd, log_path=rd / "logs" / "server.log")
+        state = {"started": False, "reason": "every chunk is current", "spec": asdict(spec)}
+        log.info("every chunk is current: the server is not started")
+    server.write_json(Path(sm.output.state), {**state, "chunks_to_extract": len(todo)})
+    write_settings(Path(sm.output.settings), sm.params.settings)
+
+
+def plan_chunks(sm: Any) -> None:
+    from hsextract.plan import check_data_matches_config, make_plan, summary
+
+    cfg = sm.config
+    check_data_matches_config(cfg, Path(sm.input.index), Path(sm.input.stats))
+    plan = make_plan(run_dir(cfg), Path(sm.input.index), fingerprint(cfg), Path(sm.output.plan))
+    text = summary(plan)
+    log.info("plan: %s", text)
+    sys.__stderr__.write(f"hsextract [plan]: {text}\n")
 
 
 def extract_chunk(sm: Any) -> None:
@@ -231,12 +300,14 @@ def extract_chunk(sm: Any) -> None:
     from hsextract.client import extract_chunk as extract
 
     cfg = sm.config
-    _export_api_key(cfg)
-    server_json = Path(sm.input.server)
-
-    def ensure() -> dict:
-        return server.ensure(server_json, gate=_gate_for(cfg))
-
+    recorded = (server.read_json(Path(sm.input.server)) or {}).get("spec")
+    want = launch_settings(cfg)
+    if recorded is not None and recorded.get("settings") != want:
+        log.warning(
+            "the server settings in the config differ from %s's; the chunk runs with the "
+            "config's (ensure() replaces a live server started otherwise)",
+            sm.input.server,
+        )
     sidecar = extract(
         cfg,
         chunk_path=Path(sm.params.chunk),
@@ -244,7 +315,7 @@ def extract_chunk(sm: Any) -> None:
         merged_path=Path(sm.input.merged),
         out_path=Path(sm.output.hidden),
         sidecar_path=Path(sm.output.sidecar),
-        ensure=ensure,
+        ensure=lambda: ensure_server(cfg),
     )
     log.info("chunk done: %s", json.dumps(sidecar))
     # The log holds the progress bar; the terminal gets one line per finished chunk.
@@ -260,6 +331,7 @@ def manifest(sm: Any) -> None:
     build_manifest(
         [Path(p) for p in sm.input.sidecars],
         stats=Path(sm.input.stats),
+        index=Path(sm.input.index),
         out=Path(sm.output.manifest),
         cfg=sm.config,
     )

@@ -85,9 +85,12 @@ print(json.dumps(out))
 @fault_test
 def test_api_key_is_required_by_the_engine_and_sent_by_the_client(run: FaultRun):
     run.set_config(**{"server.api_key": KEY})
-    # Relaunch with the key (a new launch record: every chunk is redone).
+    # A new launch record with the key.  The plan, not the record, decides what is redone:
+    # chunk_00000 is current and kept, chunk_00001 is extracted through the keyed server.
     (run.run_dir / "state" / "server.json").unlink()
-    run.rerun_matches(first_chunk_kept=False)  # the whole workflow works: the client sends it
+    run.rerun_matches(first_chunk_kept=True)  # the whole workflow works: the client sends it
+    side = json.loads((run.hidden / "chunk_00001.json").read_text())
+    assert side["server"]["settings"]["api_key"] is True  # extracted by the keyed server
     # The key is never written down: not in the launch record, state, logs or config dump.
     for f in run.run_dir.rglob("*"):
         if f.is_file() and f.suffix in (".json", ".log", ".jsonl", ".txt", ".tsv"):
@@ -132,7 +135,9 @@ def test_dump_dir_symlink_or_foreign_owner_is_refused(run: FaultRun):
     run.assert_failed_cleanly(out, "dump dir shm/theirs is owned by uid 12345", "refusing")
     assert list(theirs.iterdir()) == []
     run.set_config(**{"dump.dir": "shm/fresh"})
-    run.rerun_matches(first_chunk_kept=False)  # a new launch record: every chunk is redone
+    run.rerun_matches(first_chunk_kept=True)  # a new dump dir relaunches; chunk_00000 kept
+    side = json.loads((run.hidden / "chunk_00001.json").read_text())
+    assert side["server"]["settings"]["dump_dir"].endswith("shm/fresh")
 
 
 def _snapshot(root: Path, skip: list[Path]) -> dict[str, tuple]:

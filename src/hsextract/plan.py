@@ -1,0 +1,175 @@
+"""Which chunks need (re-)extraction: the workflow's one data-dependent decision.
+
+A chunk file is current when its sidecar says it holds exactly the records that
+``chunks/index.json`` now assigns to that chunk (same content digest, see
+:func:`hsextract.records.record_digest`), for this run's fingerprint, and the file on disk
+is the size the sidecar recorded.  Everything else (missing, records changed, another
+fingerprint, a file cut short) is re-extracted; nothing current is touched.
+
+Snakemake decides what to run from file times, before the merge and split have run, so it
+cannot know which chunks a data change touches.  ``plan_chunks`` is therefore a checkpoint:
+after it has run, Snakemake re-evaluates the chunk jobs, and each gets this plan as an
+input that is newer than its output (re-extract) or ``ancient`` (keep).  See
+rules/extract.smk for why the checkpoint must come after every other stage a chunk job
+depends on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hsextract.errors import HsextractError
+from hsextract.records import read_index
+
+
+class PlanError(HsextractError):
+    """The merged data or the split do not match the config (Snakemake could not tell)."""
+
+
+def check_data_matches_config(cfg: dict, index_path: Path, stats_path: Path) -> None:
+    """Refuse to plan from a merge or split made with other settings.
+
+    The params rerun trigger reruns them when a setting changes, but it needs Snakemake's
+    metadata (``.snakemake/``); a copied or restored run dir has none.  Planning from the
+    old data would pass stale chunks as current, so say what differs and what to run.
+    """
+    stats = json.loads(Path(stats_path).read_text())
+    index = read_index(index_path)
+    made = stats.get("params", {})
+    want = {
+        "max_seq_len": cfg["max_seq_len"],
+        "overlength": cfg["merge"]["overlength"],
+        "seed": cfg["seed"],
+    }
+    diff = [f"{k}: {made.get(k)!r} -> {v!r}" for k, v in want.items() if made.get(k) != v]
+    if diff:
+        raise PlanError(
+            f"{stats_path} was merged with other settings ({'; '.join(diff)}); run "
+            "`snakemake -j1 --forcerun merge_and_shuffle extract_all`"
+        )
+    if index.get("n_chunks") != cfg["n_chunks"]:
+        raise PlanError(
+            f"{index_path} splits into {index.get('n_chunks')} chunks, n_chunks is "
+            f"{cfg['n_chunks']}; run `snakemake -j1 --forcerun split_chunks extract_all`"
+        )
+
+
+#: Names of the files a chunk job writes under hidden/.
+_CHUNK_RE = re.compile(r"chunk_(\d{5})\.(safetensors|json)")
+
+
+@dataclass(frozen=True)
+class ChunkState:
+    chunk: str  # "chunk_00003"
+    current: bool
+    reason: str
+
+
+def chunk_states(run_dir: Path, index_path: Path, fingerprint: str) -> list[ChunkState]:
+    """Each indexed chunk: is its hidden-state file current, and if not, why not."""
+    index = read_index(index_path)
+    hidden = Path(run_dir) / "hidden"
+    out = []
+    for entry in index["chunks"]:
+        name = Path(entry["path"]).stem
+        out.append(_state(hidden, name, entry, fingerprint))
+    return out
+
+
+def _state(hidden: Path, name: str, entry: dict[str, Any], fingerprint: str) -> ChunkState:
+    data, sidecar = hidden / f"{name}.safetensors", hidden / f"{name}.json"
+    try:
+        meta = json.loads(sidecar.read_text())
+        size = data.stat().st_size
+    except FileNotFoundError:
+        return ChunkState(name, False, "not extracted yet")
+    except (OSError, ValueError) as exc:
+        return ChunkState(name, False, f"unreadable sidecar or chunk file ({exc})")
+    if meta.get("fingerprint") != fingerprint:
+        return ChunkState(name, False, f"extracted for fingerprint {meta.get('fingerprint')}")
+    if meta.get("content_digest") != entry["content_digest"]:
+        got = meta.get("records")
+        return ChunkState(
+            name,
+            False,
+            f"records changed ({got} -> {entry['records']} records, content digest "
+            f"{str(meta.get('content_digest'))[:12]} -> {entry['content_digest'][:12]})",
+        )
+    if size != meta.get("bytes"):
+        return ChunkState(
+            name, False, f"file is {size} bytes, its sidecar says {meta.get('bytes')}"
+        )
+    return ChunkState(name, True, "current")
+
+
+def remove_orphans(run_dir: Path, n_chunks: int) -> list[dict[str, Any]]:
+    """Hidden-state files of chunk numbers a smaller n_chunks no longer has.
+
+    A fresh run with this config has none, and they hold records of another chunking
+    (the manifest would never list them), so they go; the report says what.
+    """
+    hidden = Path(run_dir) / "hidden"
+    removed = []
+    if not hidden.is_dir():
+        return removed
+    for f in sorted(hidden.iterdir()):
+        m = _CHUNK_RE.fullmatch(f.name)
+        if m and int(m.group(1)) >= n_chunks and not f.is_symlink() and f.is_file():
+            removed.append({"path": f.name, "bytes": f.stat().st_size})
+            f.unlink()
+    return removed
+
+
+def make_plan(run_dir: Path, index_path: Path, fingerprint: str, out: Path) -> dict[str, Any]:
+    """Write ``state/plan.json``: the chunks to extract and why, the ones kept."""
+    from hsextract.server import write_json
+
+    states = chunk_states(run_dir, index_path, fingerprint)
+    n = len(states)
+    orphans = remove_orphans(run_dir, n)
+    todo = [s for s in states if not s.current]
+    plan = {
+        # Unique per plan: Snakemake compares a small input's checksum with the one it
+        # recorded for the job, and a re-extraction must never look like the last one.
+        "planned_at_ns": time.time_ns(),
+        "pid": os.getpid(),
+        "fingerprint": fingerprint,
+        "n_chunks": n,
+        "extract": [s.chunk for s in todo],
+        "reasons": {s.chunk: s.reason for s in todo},
+        "current": n - len(todo),
+        "orphans_removed": orphans,
+    }
+    write_json(Path(out), plan)
+    return plan
+
+
+def summary(plan: dict[str, Any]) -> str:
+    todo = plan["extract"]
+    head = f"{len(todo)} of {plan['n_chunks']} chunk(s) to extract, {plan['current']} current"
+    lines = [head] + [f"  {c}: {plan['reasons'][c]}" for c in todo[:20]]
+    if len(todo) > 20:
+        lines.append(f"  ... and {len(todo) - 20} more (state/plan.json)")
+    for o in plan["orphans_removed"]:
+        lines.append(f"  removed {o['path']} ({o['bytes']} bytes): beyond n_chunks")
+    return "\n".join(lines)
+
+
+_CACHE: dict[str, tuple[int, frozenset[str]]] = {}
+
+
+def to_extract(plan_path: str | os.PathLike[str]) -> frozenset[str]:
+    """The chunk names a plan file lists, parsed once per file version (one call per job)."""
+    key = str(plan_path)
+    mtime = os.stat(key).st_mtime_ns
+    hit = _CACHE.get(key)
+    if hit is None or hit[0] != mtime:
+        hit = (mtime, frozenset(json.loads(Path(key).read_text())["extract"]))
+        _CACHE[key] = hit
+    return hit[1]

@@ -1,0 +1,334 @@
+"""Reruns follow the data: a changed input or setting redoes exactly what it changes.
+
+Real Snakemake on the embedded default.  Each test starts from a copy of the session's
+finished demo run and compares against what a fresh run with the new config writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+import yaml
+from fixtures_demo import make_workdir, planned_jobs, run_dir_of, run_snakemake, snakemake_cmd
+
+from hsextract.chunks import ChunkReader, sha256_file
+from hsextract.config import RUN_MARKER, dump_dir, load_config
+from hsextract.records import id_hash
+
+pytestmark = pytest.mark.workflow
+
+
+def stamps(rd: Path) -> dict[str, tuple[str, int]]:
+    return {
+        f.name: (sha256_file(f), f.stat().st_mtime_ns)
+        for f in sorted((rd / "hidden").glob("chunk_*.safetensors"))
+    }
+
+
+def set_config(workdir: Path, **overrides) -> None:
+    cfg = yaml.safe_load((workdir / "config.yaml").read_text())
+    for key, value in overrides.items():
+        node = cfg
+        *parts, last = key.split(".")
+        for p in parts:
+            node = node.setdefault(p, {})
+        node[last] = value
+    (workdir / "config.yaml").write_text(yaml.safe_dump(cfg))
+
+
+def train_records(rd: Path) -> dict[str, tuple[list[int], list[int]]]:
+    out = {}
+    for line in (rd / "merged" / "train.jsonl").read_bytes().splitlines():
+        obj = orjson.loads(line)
+        out[obj["id"]] = (obj["input_ids"], obj["loss_mask"])
+    return out
+
+
+def held_records(rd: Path) -> dict[str, tuple[list[int], list[int]]]:
+    """Every record the chunk files hold, with its tokens; each id at most once."""
+    held: dict[str, tuple[list[int], list[int]]] = {}
+    for f in sorted((rd / "hidden").glob("chunk_*.safetensors")):
+        for rec in ChunkReader(f):
+            assert rec["id"] not in held, f"{rec['id']} in two chunks"
+            held[rec["id"]] = (rec["input_ids"].tolist(), rec["loss_mask"].tolist())
+    return held
+
+
+def verify(rd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hsextract.cli", "verify", str(rd / "manifest.json")],
+        capture_output=True,
+        text=True,
+    )
+
+
+def manifest_shas(rd: Path) -> dict[str, str]:
+    data = json.loads((rd / "manifest.json").read_text())
+    return {c["path"]: c["sha256"] for c in data["chunks"]}
+
+
+def test_a_removed_input_line_reextracts_only_its_chunk(demo_run, demo_copy):
+    """The issue's scenario: hidden states always belong to the data."""
+    workdir, rd = demo_copy["workdir"], demo_copy["run_dir"]
+    before = stamps(rd)
+    shard = workdir / "results" / "demo" / "data" / "shard_00.jsonl"
+    lines = shard.read_bytes().splitlines(keepends=True)
+    victim = orjson.loads(lines[4])["id"]
+    shard.write_bytes(b"".join(ln for i, ln in enumerate(lines) if i != 4))
+
+    res = run_snakemake(workdir, "-j1", "extract_all")
+    after = stamps(rd)
+    expected = f"chunk_{id_hash(victim) % 4:05d}.safetensors"
+    assert [c for c in before if before[c] != after[c]] == [expected]
+    assert "1 of 4 chunk(s) to extract, 3 current" in res.stderr
+    assert (
+        res.stderr.count("localrule extract_chunk:") + res.stdout.count("localrule extract_chunk:")
+        == 1
+    )
+    # Exactly train.jsonl's records, once each, with their tokens.
+    train = train_records(rd)
+    assert victim not in train and len(train) == 47
+    assert held_records(rd) == train
+    ok = verify(rd)
+    assert ok.returncode == 0, ok.stdout
+    assert "Nothing to be done" in run_snakemake(workdir, "-n", "extract_all").stdout
+
+    # A stale chunk planted by hand (the pre-change file, with its own consistent
+    # sidecar and a manifest entry rehashed to match): verify still names it.
+    old = demo_run["run_dir"] / "hidden" / expected
+    shutil.copy2(old, rd / "hidden" / expected)
+    shutil.copy2(old.with_suffix(".json"), (rd / "hidden" / expected).with_suffix(".json"))
+    manifest = json.loads((rd / "manifest.json").read_text())
+    for c in manifest["chunks"]:
+        if c["path"] == f"hidden/{expected}":
+            c["sha256"] = sha256_file(old)
+    (rd / "manifest.json").write_text(json.dumps(manifest))
+    bad = verify(rd)
+    assert bad.returncode == 1
+    assert f"chunk {Path(expected).stem}:" in bad.stdout and "stale" in bad.stdout, bad.stdout
+
+
+def test_setting_changes_give_what_a_fresh_run_gives(demo_copy, tmp_path):
+    """merge.overlength, n_chunks up and down, a new seed: each rerun equals a fresh run."""
+    workdir, rd = demo_copy["workdir"], demo_copy["run_dir"]
+    steps = [
+        {"merge.overlength": "drop"},
+        {"n_chunks": 6},
+        {"seed": 7},  # reorders train.jsonl only: chunks depend on the records, not the seed
+        {"n_chunks": 3},  # fewer: chunk files beyond 3 go, as a fresh run has none
+    ]
+    config: dict = {}
+    for i, change in enumerate(steps):
+        config.update(change)
+        set_config(workdir, **config)
+        prev_train = (rd / "merged" / "train.jsonl").read_bytes()
+        prev = stamps(rd)
+        run_snakemake(workdir, "-j1", "extract_all")
+        assert run_dir_of(workdir) == rd  # none of these is in the fingerprint
+        fresh = make_workdir(tmp_path / f"fresh{i}", **config)
+        run_snakemake(fresh, "-j1", "extract_all")
+        frd = run_dir_of(fresh)
+        assert manifest_shas(rd) == manifest_shas(frd), change
+        assert sorted(p.name for p in (rd / "hidden").iterdir()) == sorted(
+            p.name for p in (frd / "hidden").iterdir()
+        ), change
+        assert (rd / "merged" / "train.jsonl").read_bytes() == (
+            frd / "merged" / "train.jsonl"
+        ).read_bytes()
+        assert held_records(rd) == train_records(rd)
+        assert verify(rd).returncode == 0
+        if "seed" in change:
+            assert (rd / "merged" / "train.jsonl").read_bytes() != prev_train
+            assert stamps(rd) == prev  # nothing re-extracted
+        if "merge.overlength" in change:
+            stats = json.loads((rd / "merged" / "stats.json").read_text())
+            assert stats["dropped_over_length"] == 1 and stats["truncated"] == 0
+
+
+def test_a_server_setting_takes_effect_and_keeps_finished_chunks(demo_copy):
+    workdir, rd = demo_copy["workdir"], demo_copy["run_dir"]
+    before = stamps(rd)
+    set_config(workdir, **{"server.chunked_prefill_size": 64})
+    plan = planned_jobs(run_snakemake(workdir, "-n", "extract_all").stdout)
+    assert plan.get("launch_server") == 1, plan  # the params trigger
+    res = run_snakemake(workdir, "-j1", "extract_all")
+    assert "localrule extract_chunk" not in res.stdout + res.stderr
+    assert stamps(rd) == before  # chunked prefill is not in the fingerprint: nothing redone
+    argv = json.loads((rd / "state" / "server.json").read_text())["spec"]["argv"]
+    assert argv[argv.index("--chunked-prefill-size") + 1] == "64"
+    # The next chunk that is extracted is extracted by a server with the new setting.
+    (rd / "hidden" / "chunk_00001.safetensors").unlink()
+    run_snakemake(workdir, "-j1", "extract_all")
+    side = json.loads((rd / "hidden" / "chunk_00001.json").read_text())["server"]
+    assert side["settings"]["chunked_prefill_size"] == 64
+    assert side["argv"][side["argv"].index("--chunked-prefill-size") + 1] == "64"
+    kept = json.loads((rd / "hidden" / "chunk_00000.json").read_text())["server"]
+    assert kept["settings"]["chunked_prefill_size"] == 257  # its record stays true
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """A test that fails mid-run must not leave a workflow (and its server) running."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _pieces(d: Path) -> dict[str, int]:
+    """Dump pieces under d and their sizes; tolerant of pieces consumed while we look."""
+    out = {}
+    for dirpath, _, files in os.walk(d):
+        for name in files:
+            if name.endswith(".safetensors"):
+                p = Path(dirpath) / name
+                try:
+                    out[str(p.relative_to(d))] = p.stat().st_size
+                except FileNotFoundError:
+                    pass
+    return out
+
+
+def test_stale_deletion_never_touches_a_live_foreign_or_older_run(tmp_path):
+    """Two output roots with one fingerprint, one mid-extraction; a live second run in the
+    same root; a run dir an older hsextract wrote."""
+    small = {"demo.n_records": 16, "n_chunks": 2}
+    a = make_workdir(tmp_path / "A", **small)
+    slow = {"extend": [{"rid": "chunk_00001", "nth": [1], "do": "slow", "seconds": 25}]}
+    proc = subprocess.Popen(
+        snakemake_cmd(a, "-j1", "extract_all"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "HSEXTRACT_FAULTS": json.dumps(slow)},
+        start_new_session=True,
+    )
+    try:
+        os.chdir(a)
+        a_dump = dump_dir(load_config("config.yaml"))
+        deadline = time.monotonic() + 120
+        while not any(k.startswith("chunk_00001") for k in _pieces(a_dump)):
+            assert proc.poll() is None and time.monotonic() < deadline, "A never got mid-chunk"
+            time.sleep(0.05)
+        in_flight = _pieces(a_dump)
+
+        b = make_workdir(tmp_path / "B", **small)  # same config: same fingerprint
+        brd = run_dir_of(b)
+        assert brd.name == run_dir_of(a).name
+        # B: a second run (other aux layers) with a live server, and an old-version run.
+        other = ["--config", "aux_layers=[1,3,5]"]
+        ord_ = b / subprocess.run(
+            [sys.executable, "-m", "hsextract.cli", "run-dir", *other],
+            cwd=b, capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+        run_snakemake(b, "-j1", str((ord_ / "chunks" / "index.json").relative_to(b)), *other)
+        started = subprocess.run(
+            [sys.executable, "-m", "hsextract.cli", "server", "start", *other],
+            cwd=b, capture_output=True, text=True, timeout=300,
+            env={**os.environ, "HSEXTRACT_OWNER_PID": str(os.getpid())},
+        )  # fmt: skip
+        assert started.returncode == 0, started.stderr
+        old = b / "results" / "0123456789ab"
+        (old / "hidden").mkdir(parents=True)
+        (old / RUN_MARKER).write_text(json.dumps({"fingerprint": old.name, "config": {}}))
+        (old / "hidden" / "chunk_00000.safetensors").write_bytes(b"x" * 1000)
+        (old / "hidden" / "chunk_00000.json").write_text("{}")
+
+        dry = run_snakemake(b, "-n", "extract_all")
+        assert f"keep   {ord_.resolve()}" in dry.stderr and "live server" in dry.stderr
+        assert f"keep   {old.resolve()}" in dry.stderr and "finished chunk" in dry.stderr
+        run_snakemake(b, "-j1", str((brd / "state" / "stale_deleted.json").relative_to(b)))
+        report = json.loads((brd / "state" / "stale_deleted.json").read_text())
+        assert report["removed"] == [], report["removed"]
+        assert ord_.exists() and old.exists()
+        assert _pieces(a_dump) == in_flight  # A's pieces, mid-extraction, all still there
+        assert proc.poll() is None, "A should still be in its slow pass"
+
+        # Once its server is gone and nothing holds it, the unfinished second run goes
+        # (the old one still holds a finished chunk, so it stays).
+        subprocess.run(
+            [sys.executable, "-m", "hsextract.cli", "server", "stop", *other],
+            cwd=b, check=True, capture_output=True,
+        )  # fmt: skip
+        run_snakemake(
+            b, "-j1", "--forcerun", "delete_stale_states",
+            str((brd / "state" / "stale_deleted.json").relative_to(b)),
+        )  # fmt: skip
+        assert not ord_.exists() and old.exists()
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        _end(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert verify(run_dir_of(a)).returncode == 0
+
+
+def test_dump_space_stays_within_the_budget_with_two_jobs(demo_run, tmp_path):
+    """-j 2: the chunk jobs share dump.shm_budget_gb; sampled /dev/shm use never exceeds it.
+
+    Long records (400-512 tokens) and a budget of two of the longest requests: one job's
+    two requests in flight fit it, the two jobs' four would not, so they must share.
+    """
+    import random
+
+    from hsextract.budget import dump_bytes_for_request
+
+    per = dump_bytes_for_request(512, 64, 3, "float32", 257)
+    budget = 2 * per
+    rng = random.Random(5)
+    data = tmp_path / "data.jsonl"
+    with open(data, "w") as f:
+        for i in range(24):
+            n = rng.randint(400, 512)
+            rec = {"id": f"long-{i}", "input_ids": [rng.randrange(512) for _ in range(n)],
+                   "loss_mask": [1] * n}  # fmt: skip
+            f.write(json.dumps(rec) + "\n")
+    model = demo_run["workdir"] / "results" / "demo" / "model"
+    wd = make_workdir(
+        tmp_path / "w",
+        **{
+            "demo.enabled": False,
+            "inputs": [str(data)],
+            "model.path": str(model),
+            "n_chunks": 2,
+            "dump.shm_budget_gb": budget / 2**30,
+            "client.requests_in_flight": 2,
+        },
+    )
+    # Slow passes, so both chunk jobs are mid-extraction at the same time.
+    slow = {"extend": [{"rid": "chunk_", "do": "slow", "seconds": 0.1}]}
+    proc = subprocess.Popen(
+        snakemake_cmd(wd, "-j2", "extract_all"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "HSEXTRACT_FAULTS": json.dumps(slow)},
+        start_new_session=True,
+    )
+    try:
+        os.chdir(wd)
+        ddir = dump_dir(load_config("config.yaml"))
+        peak, both = 0, False
+        while proc.poll() is None:
+            sizes = _pieces(ddir)
+            peak = max(peak, sum(sizes.values()))
+            both = both or len({k.split("-")[0] for k in sizes}) >= 2
+            time.sleep(0.002)
+    finally:
+        _end(proc)
+    out = proc.stdout.read()
+    assert proc.returncode == 0, out[-4000:]
+    assert both, "the two chunk jobs never had pieces in flight at once"
+    assert per // 2 < peak <= budget, (peak, budget)
+    for sc in (run_dir_of(wd) / "hidden").glob("chunk_*.json"):
+        assert 0 < json.loads(sc.read_text())["shm_peak_bytes"] <= budget
