@@ -1,10 +1,12 @@
-"""The pinned SGLang 0.5.23 source, and a harness that runs its real code with stand-ins.
+"""The source of every supported SGLang release, and harnesses that run its real code.
 
-The source is downloaded once (``pip download``) into ``$HSEXTRACT_CACHE`` (default
-``~/.cache/hsextract``; CI caches that dir).  Nothing here is a copy of SGLang: the harness
-pulls ``DeepseekV2Model.forward`` (pristine or patched), ``ForwardMode``,
-``AuxHiddenStatePacker`` and ``register_forward_hooks`` out of the real files and runs them
-with small stand-ins for the parts that need GPUs and a distributed runtime.
+The sources are downloaded once (``pip download``) into ``$HSEXTRACT_CACHE`` (default
+``~/.cache/hsextract``; CI caches that dir).  Nothing here is a copy of SGLang: the
+harnesses pull ``DeepseekV2Model.forward`` (pristine or patched), ``ForwardMode``,
+``AuxHiddenStatePacker`` and ``register_forward_hooks`` out of the real files and run them
+with small stand-ins for the parts that need GPUs and a distributed runtime.  0.5.23 and
+0.5.14 call their layers differently (see hsextract.sglang.versions), so each has its
+stand-in model; ``release``-parametrised fixtures run a test for every release.
 """
 
 from __future__ import annotations
@@ -25,21 +27,41 @@ import pytest
 import torch
 from torch import nn
 
-from hsextract.patching import apply_unified_diff, ensure_pinned_source, load_spec
+from hsextract.sglang import versions
+from hsextract.sglang.patching import apply_unified_diff, ensure_pinned_source, load_spec
 
 DSV2 = "srt/models/deepseek_v2.py"
+RELEASES = list(versions.known())
+
+
+@pytest.fixture(scope="session", params=RELEASES)
+def release(request: pytest.FixtureRequest) -> str:
+    """Each supported SGLang release in turn."""
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def release_pkg(release: str) -> Path:
+    """That release's ``sglang`` package dir (read only: never modify)."""
+    return ensure_pinned_source(release) / "sglang"
 
 
 @pytest.fixture(scope="session")
 def sglang_src() -> Path:
-    """The directory holding the pinned ``sglang/`` package source (read only: never modify)."""
-    return ensure_pinned_source()
+    """The directory holding the 0.5.23 ``sglang/`` source (read only: never modify)."""
+    return ensure_pinned_source("0.5.23")
 
 
 @pytest.fixture(scope="session")
 def sglang_pkg(sglang_src: Path) -> Path:
-    """The pinned ``sglang`` package dir (what ``--sglang-root`` names)."""
+    """The 0.5.23 ``sglang`` package dir (what ``--sglang-root`` names)."""
     return sglang_src / "sglang"
+
+
+@pytest.fixture(scope="session")
+def pkg14() -> Path:
+    """The 0.5.14 ``sglang`` package dir (read only)."""
+    return ensure_pinned_source("0.5.14") / "sglang"
 
 
 def _node(tree: ast.Module, *path: str) -> ast.AST:
@@ -232,3 +254,149 @@ def pristine_forward(sglang_pkg: Path) -> Harness:
 def forward_mode(sglang_pkg: Path) -> type:
     """SGLang's real ``ForwardMode`` enum (is_extend, is_target_verify, ...)."""
     return _forward_mode(sglang_pkg)
+
+
+# --- 0.5.14 -----------------------------------------------------------------------------
+
+
+class StandInRMSNorm(nn.Module):
+    """Called like SGLang's RMSNorm, with sgl_kernel's in-place fused add: with a residual,
+    the residual becomes input + residual and the input its normalised value, both in
+    place, and both are returned."""
+
+    def __init__(self, hidden: int, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.w = torch.rand(hidden, generator=g) + 0.5
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        if residual is None:
+            return self._norm(x)
+        residual.add_(x)
+        x.copy_(self._norm(residual))
+        return x, residual
+
+
+class StandInLayer14(nn.Module):
+    """Shaped like 0.5.14's DeepseekV2DecoderLayer: the residual comes in and goes out, the
+    input norm is a module called as the communicator calls it, and SGLang's aux capture
+    appends (a copy of) the stream entering the layer to the list it is given."""
+
+    def __init__(self, layer_id: int, hidden: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(100 + layer_id)
+        self.w = torch.randn(hidden, hidden, generator=g) / hidden**0.5
+        self.input_layernorm = StandInRMSNorm(hidden, 200 + layer_id)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        forward_batch: Any,
+        residual: torch.Tensor | None,
+        zero_allocator: Any = None,
+        gemm_output_zero_allocator: Any = None,
+        llama_4_scaling: Any = None,
+        prev_topk_indices: Any = None,
+        captured_last_layer_outputs: Any = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, None]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        if captured_last_layer_outputs is not None:
+            captured_last_layer_outputs.append(residual.clone())  # as its communicator does
+        out = torch.tanh(hidden_states @ self.w) + 0.01 * positions[:, None]
+        return out, residual, None
+
+
+class StandInModel14(nn.Module):
+    """The attributes 0.5.14's DeepseekV2Model.forward reads, on a few tiny layers; real
+    submodules (``layers.N.input_layernorm``, ``norm``) for the forward hooks."""
+
+    def __init__(self, num_layers: int = 8, hidden: int = 8, vocab: int = 64) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.embed_tokens = nn.Embedding(vocab, hidden)  # a module, as in SGLang
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(torch.randn(vocab, hidden, generator=g))
+        self.norm = StandInRMSNorm(hidden, 7)
+        self.config = SimpleNamespace(num_hidden_layers=num_layers)
+        self.start_layer, self.end_layer = 0, num_layers
+        self.layers = nn.ModuleList(StandInLayer14(i, hidden) for i in range(num_layers))
+        self.layers_to_capture: list[int] = []
+        self.pp_group = SimpleNamespace(is_first_rank=True, is_last_rank=True)
+        self.use_dsa = False
+        self.dsa_enable_prefill_cp = self.mla_enable_prefill_cp = False
+        self.first_k_dense_replace = 1
+        self.gemm_output_zero_allocator_size = 0
+        self.llama_4_scaling_config = None
+
+    def _dsa_forward_uses_topk(self) -> bool:
+        return False
+
+    @torch.no_grad()
+    def reference(self, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Plain per-request computation: final post-norm state and the stream entering
+        every layer (hidden + residual), for one whole request starting at position 0."""
+        h, residual = self.embed_tokens(ids), None
+        pos = torch.arange(ids.shape[0])
+        entering = []
+        for layer in self.layers:
+            entering.append((h if residual is None else h + residual).clone())
+            h, residual, _ = layer(pos, h, None, residual)
+        return self.norm._norm(h + residual), entering
+
+
+def _stand_in_globals_14(tp_rank: list[int]) -> dict[str, Any]:
+    def not_expected(*a: Any, **k: Any) -> Any:
+        raise AssertionError("path not expected in these tests (TBO / PP / context parallel)")
+
+    recorder = SimpleNamespace(with_current_layer=lambda i: nullcontext())
+    return {
+        "torch": torch,
+        "nullcontext": nullcontext,
+        "BumpAllocator": lambda **k: None,
+        "check_cuda_graph_backend": lambda *a: False,
+        "Phase": SimpleNamespace(PREFILL="prefill"),
+        "Backend": SimpleNamespace(TC_PIECEWISE="tc_piecewise"),
+        "get_global_expert_distribution_recorder": lambda: recorder,
+        "dsa_use_prefill_cp": lambda fb, flag: False,
+        "mla_use_prefill_cp": lambda fb, flag: False,
+        "cp_split_and_rebuild_data": not_expected,
+        "cp_split_and_rebuild_position": not_expected,
+        "cp_all_gather_rerange_output": not_expected,
+        "model_forward_maybe_tbo": not_expected,
+        "PPProxyTensors": not_expected,
+        "dsa_layer_skips_topk": not_expected,
+        "get_dsa_index_topk": not_expected,
+        "_get_llama_4_scaling": not_expected,
+        "get_parallel": lambda: SimpleNamespace(tp_rank=tp_rank[0]),
+    }
+
+
+def _harness14(pkg: Path, patched: bool) -> Harness:
+    text = (pkg / DSV2).read_text()
+    defs: list[tuple[str, ...]] = [("DeepseekV2Model", "forward")]
+    if patched:
+        text = apply_unified_diff(text, load_spec("0.5.14").diff.read_text())
+        defs += [("_hs_dump_begin",), ("_hs_dump_collector",), ("_hs_dump_write",)]
+    tp_rank = [0]
+    globs = exec_defs(text, defs, _stand_in_globals_14(tp_rank))
+    return Harness(globs["forward"], _forward_mode(pkg), globs, tp_rank)
+
+
+@pytest.fixture(scope="session")
+def patched_forward14(pkg14: Path) -> Harness:
+    """0.5.14's patched ``DeepseekV2Model.forward``, executable on a StandInModel14."""
+    return _harness14(pkg14, patched=True)
+
+
+@pytest.fixture(scope="session")
+def pristine_forward14(pkg14: Path) -> Harness:
+    """0.5.14's unmodified ``DeepseekV2Model.forward``."""
+    return _harness14(pkg14, patched=False)

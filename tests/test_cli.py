@@ -31,7 +31,8 @@ def test_server_command_runs_as_printed_with_the_api_key_from_the_environment(tm
     cfg["inputs"] = [str(tmp_path / "x.jsonl")]
     cfg["model"] = {"path": str(tmp_path / "model"), "dtype": "bfloat16"}
     cfg["server"].update(host="0.0.0.0", port=31000, allow_remote=True, api_key="in-config-only")
-    cfg["sglang"] = {"python": str(fake), "tp_size": 1}
+    # The fake python cannot say which release it has: name it.
+    cfg["sglang"] = {"python": str(fake), "version": "0.5.14", "tp_size": 1}
     cfg["dump"] = {"dir": str(tmp_path / "dump dir")}  # a space: quoting matters
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     printed = subprocess.run(

@@ -1,5 +1,6 @@
-"""Capture without patching (``capture: hooks``), run through SGLang's real hook registration,
-and a check that every SGLang name the patch and the hooks rely on exists in the pinned source."""
+"""Capture without patching (``capture: hooks``), run through SGLang's real hook registration
+for each release's design (0.5.23: SGLang's own aux capture; 0.5.14: the input norms), and a
+check that every SGLang name the patch and the hooks rely on exists in each release's source."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ from typing import Any
 
 import pytest
 import torch
-from fixtures_sglang import StandInModel, exec_defs, load_file_module
+from fixtures_sglang import StandInModel, StandInModel14, exec_defs, load_file_module
 from safetensors import safe_open
 from torch import nn
 
 from hsextract.capture import get_writer
-from hsextract.hooks import HOOK_FACTORY_PATH, HOOK_TARGET_MODULE, forward_hooks_spec
+from hsextract.sglang import hooks as hooks_mod
+from hsextract.sglang.hooks import HOOK_FACTORY_PATH, HOOK_TARGET_MODULE, forward_hooks_spec
 
 H, L = 8, 8
 DEFAULT_LAYERS = [2, 4, 5]
@@ -76,7 +78,8 @@ def server(
 
 def _register(server: Any, aux_layers: list[int] | None = None) -> None:
     server.set_layers(server.outer, aux_layers)  # what --return-aux-hidden-state-layer-ids does
-    server.hm.register_forward_hooks(server.outer, json.loads(forward_hooks_spec(aux_layers)))
+    spec = forward_hooks_spec("aux_capture", aux_layers, str(server.dump))
+    server.hm.register_forward_hooks(server.outer, json.loads(spec))
 
 
 def _run(server: Any, reqs: list[tuple[str, torch.Tensor, int, int]], mode: str = "EXTEND") -> Any:
@@ -92,14 +95,17 @@ def _run(server: Any, reqs: list[tuple[str, torch.Tensor, int, int]], mode: str 
     return server.outer(ids, pos, fb)
 
 
-def _pieces(dump: Path) -> dict[str, list[tuple[int, dict[str, torch.Tensor]]]]:
-    w = get_writer()
+def _pieces(
+    dump: Path, layers: list[int] | None = None
+) -> dict[str, list[tuple[int, dict[str, torch.Tensor]]]]:
+    w = get_writer(str(dump))
     if w is not None:
         w.flush()
     out: dict[str, list[tuple[int, dict[str, torch.Tensor]]]] = {}
     for f in sorted(dump.glob("*/*.safetensors")):
         with safe_open(str(f), "pt") as so:
-            assert json.loads(so.metadata()["aux_layers"]) in (DEFAULT_LAYERS, [0, 3, 6])
+            got = json.loads(so.metadata()["aux_layers"])
+            assert got == layers if layers is not None else got in (DEFAULT_LAYERS, [0, 3, 6])
             out.setdefault(f.parent.name, []).append(
                 (int(f.stem), {k: so.get_tensor(k) for k in so.keys()})
             )
@@ -173,21 +179,107 @@ def test_hook_refuses_a_server_capturing_other_layers(
     # SGLang 0.5.23 shifts an id list that starts with 1: [1, 3, 5] -> [2, 4, 6].
     server.set_layers(server.outer, [1, 3, 5])
     assert server.outer.model.layers_to_capture == [2, 4, 6]
-    server.hm.register_forward_hooks(server.outer, json.loads(forward_hooks_spec([1, 3, 5])))
+    spec = forward_hooks_spec("aux_capture", [1, 3, 5], str(server.dump))
+    server.hm.register_forward_hooks(server.outer, json.loads(spec))
     with pytest.raises(RuntimeError, match=r"server captures layers \[2, 4, 6\]"):
         _run(server, [("h", _ids(4, 8), 0, 4)])
 
 
 def test_hook_spec_shape() -> None:
-    spec = json.loads(forward_hooks_spec([2, 30, 58]))
+    spec = json.loads(forward_hooks_spec("aux_capture", [2, 30, 58], "/dev/shm/d"))
     assert spec == [
         {
             "name": "hsextract-dump",
             "target_modules": [HOOK_TARGET_MODULE],
             "hook_factory": HOOK_FACTORY_PATH,
-            "config": {"aux_layers": [2, 30, 58]},
+            "config": {"role": "aux_capture", "aux_layers": [2, 30, 58], "dump_dir": "/dev/shm/d"},
         }
     ]
+    spec = json.loads(forward_hooks_spec("layernorm", [0, 30, 58], "/dev/shm/d"))
+    assert [s["target_modules"] for s in spec] == [
+        ["model.embed_tokens"], ["model.layers.0.input_layernorm"],
+        ["model.layers.30.input_layernorm"], ["model.layers.58.input_layernorm"],
+        ["model.norm"], ["model"],
+    ]  # fmt: skip
+    roles = [s["config"]["role"] for s in spec]
+    assert roles == ["begin", "aux", "aux", "aux", "final", "write"]
+    assert spec[-1]["config"] == {
+        "role": "write",
+        "aux_layers": [0, 30, 58],
+        "dump_dir": "/dev/shm/d",
+    }
+
+
+# --- 0.5.14: hooks on the input norms, registered by 0.5.14's hook manager --------------
+
+
+@pytest.fixture
+def server14(pkg14: Path, pristine_forward14: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """0.5.14's pristine forward on StandInModel14 inside an Outer, no dump env at all: the
+    hooks' own config names the dump dir (a patched install must not dump twice)."""
+    dump = tmp_path / "dump"
+    dump.mkdir(mode=0o700)
+    monkeypatch.delenv("SGLANG_HS_DUMP_DIR", raising=False)
+    monkeypatch.delenv("HSEXTRACT_AUX_LAYERS", raising=False)
+    rank = [0]
+    for name in ("sglang", "sglang.srt"):
+        monkeypatch.setitem(sys.modules, name, ModuleType(name))
+    rc = ModuleType("sglang.srt.runtime_context")
+    rc.get_parallel = lambda: SimpleNamespace(tp_rank=rank[0])  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "sglang.srt.runtime_context", rc)
+    inner_cls = type("Inner14", (StandInModel14,), {"forward": pristine_forward14.forward})
+    outer = Outer(inner_cls(L, H))
+    hm = load_file_module(pkg14 / "srt/model_executor/hook_manager.py", "_pinned_hook_manager14")
+    return SimpleNamespace(
+        outer=outer, dump=dump, rank=rank, hm=hm, FM=pristine_forward14.ForwardMode
+    )
+
+
+def _register14(server: Any, layers: list[int]) -> None:
+    spec = forward_hooks_spec("layernorm", layers, str(server.dump))
+    server.hm.register_forward_hooks(server.outer, json.loads(spec))
+
+
+@pytest.mark.parametrize("layers", [DEFAULT_LAYERS, [0, 1, 7]])
+def test_norm_hooks_capture_batches_and_split_passes(server14: Any, layers: list[int]) -> None:
+    _register14(server14, layers)
+    a, b, c = _ids(10, 1), _ids(4, 2), _ids(3, 3)
+    _run(server14, [("a", a, 0, 4), ("b", b, 0, 4)])
+    _run(server14, [("c", c, 0, 3), ("a", a, 4, 6)])
+    _run(server14, [("a", a, 9, 1)], "DECODE")  # decode passes write nothing, leak nothing
+    assert hooks_mod._STASH.aux == {} and hooks_mod._STASH.final is None
+    got = _pieces(server14.dump, layers)
+    assert sorted(got) == ["a", "b", "c"]
+    assert sorted(s for s, _ in got["a"]) == [0, 4]
+    for rid, full in (("a", a), ("b", b), ("c", c)):
+        _check(server14.outer.model, full, got[rid], layers)
+
+
+def test_norm_hooks_leave_the_output_alone(server14: Any) -> None:
+    reqs = [("e", _ids(5, 5), 0, 5)]
+    before = _run(server14, reqs)
+    _register14(server14, DEFAULT_LAYERS)
+    assert torch.equal(before, _run(server14, reqs))
+
+
+def test_norm_hooks_rank_other_than_zero_writes_nothing(server14: Any) -> None:
+    _register14(server14, DEFAULT_LAYERS)
+    server14.rank[0] = 1
+    _run(server14, [("g", _ids(4, 7), 0, 4)])
+    assert _pieces(server14.dump, DEFAULT_LAYERS) == {}
+
+
+def test_a_bypassed_norm_fails_the_forward_loudly(server14: Any) -> None:
+    """A fused all-reduce + norm kernel calls the norm's weights, not the module: no hook
+    fires, and the forward must fail rather than leave a request's pieces short."""
+    _register14(server14, DEFAULT_LAYERS)
+    layer = server14.outer.model.layers[4]
+    norm = layer.input_layernorm
+    del layer.input_layernorm  # a module attribute: replace it by a plain function
+    layer.input_layernorm = lambda *a: norm.forward(*a)  # type: ignore[assignment]
+    with pytest.raises(RuntimeError, match=r"never called the input_layernorm of aux layers \[4\]"):
+        _run(server14, [("x", _ids(4, 9), 0, 4)])
+    assert hooks_mod._STASH.aux == {}  # nothing of the failed pass carries over
 
 
 # --- every SGLang name we read exists in the pinned source ------------------------------
@@ -280,3 +372,53 @@ def test_sglang_names_we_read_exist(sglang_pkg: Path) -> None:
     assert 'if ":" in path:' in hm  # "module:attr" paths resolve
     setup = _src(sglang_pkg, "srt/model_executor/model_runner_components/cuda_graph_setup.py")
     assert "Register forward hooks AFTER cuda-graph capture" in setup
+
+
+def test_sglang_0514_names_we_read_exist(pkg14: Path) -> None:
+    """What the 0.5.14 patch and its norm hooks rely on, read in 0.5.14's own source."""
+    dsv2 = _src(pkg14, "srt/models/deepseek_v2.py")
+    tree = ast.parse(dsv2)
+    fbi = ast.parse(_src(pkg14, "srt/model_executor/forward_batch_info.py"))
+    fb_fields = {
+        n.target.id
+        for n in _class(fbi, "ForwardBatch").body
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+    }
+    assert {"forward_mode", "rids", "extend_prefix_lens_cpu", "extend_seq_lens_cpu"} <= fb_fields
+    fm = {n.name for n in _class(fbi, "ForwardMode").body if isinstance(n, ast.FunctionDef)}
+    assert {"is_extend", "is_target_verify", "is_idle"} <= fm
+    model = _class(tree, "DeepseekV2Model")
+    attrs = _self_attrs(model)
+    assert {"config", "pp_group", "layers_to_capture", "start_layer", "end_layer"} <= attrs
+    assert {"norm", "embed_tokens", "layers"} <= attrs
+    fwd = _method(model, "forward")
+    assert [a.arg for a in fwd.args.args][:4] == ["self", "input_ids", "positions", "forward_batch"]
+    # The patch's collector: 0.5.14's aux capture appends to a list.
+    comm = _src(pkg14, "srt/layers/communicator.py")
+    assert "captured_last_layer_outputs.append(gathered_last_layer_output)" in comm
+    assert re.search(r"from sglang\.srt\.runtime_context import get_parallel", dsv2)
+    assert "def get_parallel() -> ParallelContext:" in _src(pkg14, "srt/runtime_context.py")
+    # The norm hooks: every layer's input norm is a module called with (hidden, residual)
+    # and returns (normed, residual); DeepSeek and Qwen3 through the communicator, Llama
+    # directly; its all-reduce fusion bypasses the module call, hence the flag we emit.
+    assert "hidden_states, residual = self.input_layernorm(\n" in comm
+    assert "hidden_states = self.input_layernorm(hidden_states)" in comm
+    assert "self.input_layernorm.forward_with_allreduce_fusion(" in comm
+    llama = _src(pkg14, "srt/models/llama.py")
+    assert "hidden_states, residual = self.input_layernorm(hidden_states, residual)" in llama
+    for name in ("llama.py", "qwen2.py", "deepseek_v2.py"):  # Qwen3Model is a Qwen2Model
+        src = _src(pkg14, f"srt/models/{name}")
+        assert "self.model = " in src and "self.norm = " in src and "self.embed_tokens = " in src
+    assert "class Qwen3Model(Qwen2Model):" in _src(pkg14, "srt/models/qwen3.py")
+    ln = _src(pkg14, "srt/layers/layernorm.py")
+    assert "return x, residual" in ln
+    sa = _src(pkg14, "srt/server_args.py")
+    assert "enforce_disable_flashinfer_allreduce_fusion: A[" in sa
+    assert "Auto-enabling FlashInfer AllReduce Fusion on SM90/SM10X for {model_arch}" in sa
+    # --forward-hooks: spec keys, factory(config), plain register_forward_hook, after graphs.
+    hm = _src(pkg14, "srt/model_executor/hook_manager.py")
+    for key in ('"name"', '"target_modules"', '"hook_factory"', '"config"'):
+        assert f"spec.get({key}" in hm
+    assert "hook_factory(config)" in hm and "module.register_forward_hook(hook)" in hm
+    mr = _src(pkg14, "srt/model_executor/model_runner.py")
+    assert "Register forward hooks AFTER cuda-graph capture" in mr

@@ -1,4 +1,5 @@
-"""apply/verify/revert on a copy of the real SGLang 0.5.23 ``deepseek_v2.py``."""
+"""apply/verify/revert on a copy of each supported release's real ``deepseek_v2.py``, and its
+patched ``DeepseekV2Model.forward`` executed on stand-in layers."""
 
 from __future__ import annotations
 
@@ -14,35 +15,42 @@ from typing import Any
 
 import pytest
 import torch
-from fixtures_sglang import StandInModel
+from fixtures_sglang import StandInModel, StandInModel14
 from safetensors import safe_open
 
-from hsextract import patching
 from hsextract.capture import get_writer
-from hsextract.patching import PatchError, apply, load_spec, revert, sha256_file, verify
+from hsextract.sglang import patching
+from hsextract.sglang.patching import PatchError, apply, load_spec, revert, sha256_file, verify
 
 TARGET = "srt/models/deepseek_v2.py"
 
 
 @pytest.fixture
-def root(sglang_pkg: Path, tmp_path: Path) -> Path:
+def root(release_pkg: Path, tmp_path: Path) -> Path:
     """A throwaway sglang package dir holding the real version file and patch target."""
     r = tmp_path / "site-packages" / "sglang"
     (r / "srt" / "models").mkdir(parents=True)
-    shutil.copy2(sglang_pkg / "_version.py", r / "_version.py")
-    shutil.copy2(sglang_pkg / TARGET, r / TARGET)
+    shutil.copy2(release_pkg / "_version.py", r / "_version.py")
+    shutil.copy2(release_pkg / TARGET, r / TARGET)
     return r
 
 
-def test_manifest_records_the_real_pristine_sha(sglang_pkg: Path) -> None:
-    spec = load_spec(patching.PINNED_VERSION)
-    assert spec.version == "0.5.23" and spec.target == TARGET
-    assert sha256_file(sglang_pkg / TARGET) == spec.pristine_sha256
-    assert patching.installed_version(sglang_pkg) == "0.5.23"
+def test_manifest_records_the_real_pristine_sha(release: str, release_pkg: Path) -> None:
+    spec = load_spec(release)
+    assert spec.version == release and spec.target == TARGET
+    assert sha256_file(release_pkg / TARGET) == spec.pristine_sha256
+    assert patching.installed_version(release_pkg) == release
 
 
-def test_round_trip(root: Path) -> None:
-    spec = load_spec("0.5.23")
+def test_the_0514_pristine_sha_is_the_recipes() -> None:
+    # ../shared/sglang-h200/README.md: the file the live H200 server runs.
+    assert load_spec("0.5.14").pristine_sha256 == (
+        "947fdc256101f538a668090f82e5eb5f888e2434f2bbbf69a99cdaa628cf902e"
+    )
+
+
+def test_round_trip(root: Path, release: str) -> None:
+    spec = load_spec(release)
     f = root / TARGET
     r = apply(root)
     assert r.action == "applied" and sha256_file(f) == spec.patched_sha256
@@ -61,8 +69,8 @@ def test_round_trip(root: Path) -> None:
         verify(root)
 
 
-def test_revert_without_backup_undoes_the_diff(root: Path) -> None:
-    spec = load_spec("0.5.23")
+def test_revert_without_backup_undoes_the_diff(root: Path, release: str) -> None:
+    spec = load_spec(release)
     apply(root)
     (root / (TARGET + patching.BACKUP_SUFFIX)).unlink()
     revert(root)
@@ -70,33 +78,36 @@ def test_revert_without_backup_undoes_the_diff(root: Path) -> None:
 
 
 @pytest.mark.parametrize("when", ["pristine", "patched"])
-def test_tampered_file_is_refused_and_left_untouched(root: Path, when: str) -> None:
+def test_tampered_file_is_refused_and_left_untouched(root: Path, when: str, release: str) -> None:
     f = root / TARGET
     if when == "patched":
         apply(root)
     f.write_text(f.read_text() + "# local edit\n")
     before = f.read_bytes()
     found = hashlib.sha256(before).hexdigest()
-    spec = load_spec("0.5.23")
+    spec = load_spec(release)
     for fn in (apply, revert, verify):
         with pytest.raises(PatchError) as e:
             fn(root)
         assert found in str(e.value)
         if fn is not verify:
-            assert "0.5.23" in str(e.value) and spec.pristine_sha256 in str(e.value)
+            assert release in str(e.value) and spec.pristine_sha256 in str(e.value)
         assert f.read_bytes() == before
 
 
-def test_unknown_version_is_refused(root: Path) -> None:
+def test_unknown_version_is_refused_naming_the_known(root: Path, release: str) -> None:
     v = root / "_version.py"
-    v.write_text(v.read_text().replace("0.5.23", "0.5.24"))
+    v.write_text(v.read_text().replace(release, "0.5.24"))
     before = (root / TARGET).read_bytes()
-    with pytest.raises(PatchError, match="no patch for sglang 0.5.24"):
+    with pytest.raises(PatchError, match="no patch for sglang 0.5.24") as e:
         apply(root)
+    assert "0.5.14, 0.5.23" in str(e.value) and "capture: hooks" in str(e.value)
     assert (root / TARGET).read_bytes() == before
 
 
-def test_cli_writes_state(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_writes_state(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], release: str
+) -> None:
     parser = argparse.ArgumentParser()
     patching.register_cli(parser.add_subparsers())
     out = tmp_path / "state" / "patch.json"
@@ -105,8 +116,8 @@ def test_cli_writes_state(root: Path, tmp_path: Path, capsys: pytest.CaptureFixt
     )
     assert args.func(args) == 0
     state = json.loads(out.read_text())
-    spec = load_spec("0.5.23")
-    assert state["version"] == "0.5.23" and state["action"] == "applied"
+    spec = load_spec(release)
+    assert state["version"] == release and state["action"] == "applied"
     assert state["path"] == str(root / TARGET)
     assert state["pristine_sha256"] == spec.pristine_sha256
     assert state["patched_sha256"] == spec.patched_sha256 == state["found_sha256"]
@@ -117,28 +128,30 @@ def test_cli_writes_state(root: Path, tmp_path: Path, capsys: pytest.CaptureFixt
     assert "not patched" in capsys.readouterr().err
 
 
-def test_patch_is_small_and_only_touches_the_forward(sglang_pkg: Path) -> None:
-    spec = load_spec("0.5.23")
+def test_patch_is_small_and_only_touches_the_forward(release: str, release_pkg: Path) -> None:
+    spec = load_spec(release)
     diff = spec.diff.read_text()
     removed = [ln for ln in diff.splitlines() if ln.startswith("-") and not ln.startswith("---")]
     added = [ln for ln in diff.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
     assert len(removed) <= 3 and len(added) <= 40
     # hsextract is imported inside a function only (lazy), never at module level.
-    patched = patching.apply_unified_diff((sglang_pkg / TARGET).read_text(), diff)
+    patched = patching.apply_unified_diff((release_pkg / TARGET).read_text(), diff)
     tree = ast.parse(patched)
     top_imports = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
     assert not any("hsextract" in ast.unparse(n) for n in top_imports)
     assert "from hsextract" in patched
 
 
-def test_ensure_pinned_source_is_cached(sglang_src: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ensure_pinned_source_is_cached(
+    release: str, release_pkg: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # A second call must not touch the network: make any subprocess a failure.
     def boom(*a: object, **k: object) -> None:
         raise AssertionError("ensure_pinned_source ran a subprocess on a warm cache")
 
     monkeypatch.setattr(patching.subprocess, "run", boom)
-    assert patching.ensure_pinned_source() == sglang_src
-    assert (sglang_src / "sglang" / TARGET).is_file()
+    assert patching.ensure_pinned_source(release) == release_pkg.parent
+    assert (release_pkg / TARGET).is_file()
 
 
 # --- the patched DeepseekV2Model.forward, executed (harness in fixtures_sglang.py) ---------
@@ -148,9 +161,20 @@ L = 8
 DEFAULT_LAYERS = [2, L // 2, L - 3]
 
 
+@pytest.fixture
+def fwd(release: str, request: pytest.FixtureRequest) -> SimpleNamespace:
+    """The release's patched and pristine forward and its stand-in model class."""
+    if release == "0.5.14":
+        names, model = ("patched_forward14", "pristine_forward14"), StandInModel14
+    else:
+        names, model = ("patched_forward", "pristine_forward"), StandInModel
+    patched, pristine = (request.getfixturevalue(n) for n in names)
+    return SimpleNamespace(patched=patched, pristine=pristine, Model=model)
+
+
 def _pass(
     h: Any,
-    model: StandInModel,
+    model: Any,
     reqs: list[tuple[str, torch.Tensor, int, int]],
     mode: str = "EXTEND",
 ) -> Any:
@@ -193,9 +217,7 @@ def _ids(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-def _check_request(
-    model: StandInModel, full: torch.Tensor, pieces: list, layers: list[int]
-) -> None:
+def _check_request(model: Any, full: torch.Tensor, pieces: list, layers: list[int]) -> None:
     """Pieces cover [0, len) exactly once and hold the reference values."""
     pieces = sorted(pieces, key=lambda p: p[0])
     covered = []
@@ -216,10 +238,10 @@ def _check_request(
     )
 
 
-def test_patched_forward_batch_of_several_requests(patched_forward: Any, dump: Path) -> None:
-    model = StandInModel(L, H)
+def test_patched_forward_batch_of_several_requests(fwd: Any, dump: Path) -> None:
+    model = fwd.Model(L, H)
     reqs = {f"r{i}": _ids(n, i) for i, n in enumerate([5, 3, 7])}
-    out = _pass(patched_forward, model, [(r, ids, 0, len(ids)) for r, ids in reqs.items()])
+    out = _pass(fwd.patched, model, [(r, ids, 0, len(ids)) for r, ids in reqs.items()])
     assert isinstance(out, torch.Tensor)  # SGLang's own capture is off: output unchanged in kind
     got = _pieces(dump)
     assert sorted(got) == sorted(reqs)
@@ -228,13 +250,13 @@ def test_patched_forward_batch_of_several_requests(patched_forward: Any, dump: P
         _check_request(model, full, got[rid], DEFAULT_LAYERS)
 
 
-def test_patched_forward_request_split_over_extend_passes(patched_forward: Any, dump: Path) -> None:
-    model = StandInModel(L, H)
+def test_patched_forward_request_split_over_extend_passes(fwd: Any, dump: Path) -> None:
+    model = fwd.Model(L, H)
     a, b = _ids(10, 1), _ids(6, 2)
     # Chunked prefill: "a" arrives in three passes, sharing the middle one with "b".
-    _pass(patched_forward, model, [("a", a, 0, 4)])
-    _pass(patched_forward, model, [("b", b, 0, 6), ("a", a, 4, 3)])
-    _pass(patched_forward, model, [("a", a, 7, 3)])
+    _pass(fwd.patched, model, [("a", a, 0, 4)])
+    _pass(fwd.patched, model, [("b", b, 0, 6), ("a", a, 4, 3)])
+    _pass(fwd.patched, model, [("a", a, 7, 3)])
     got = _pieces(dump)
     assert [p[0] for p in sorted(got["a"], key=lambda p: p[0])] == [0, 4, 7]
     _check_request(model, a, got["a"], DEFAULT_LAYERS)
@@ -242,61 +264,57 @@ def test_patched_forward_request_split_over_extend_passes(patched_forward: Any, 
 
 
 def test_patched_forward_configured_layers(
-    patched_forward: Any, dump: Path, monkeypatch: pytest.MonkeyPatch
+    fwd: Any, dump: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("HSEXTRACT_AUX_LAYERS", json.dumps([0, 1, 6]))
-    model = StandInModel(L, H)
+    model = fwd.Model(L, H)
     full = _ids(9, 3)
-    _pass(patched_forward, model, [("c", full, 0, 9)])
+    _pass(fwd.patched, model, [("c", full, 0, 9)])
     _check_request(model, full, _pieces(dump)["c"], [0, 1, 6])
 
 
 @pytest.mark.parametrize("mode", ["DECODE", "IDLE", "TARGET_VERIFY"])
-def test_patched_forward_non_extend_writes_nothing(
-    patched_forward: Any, pristine_forward: Any, dump: Path, mode: str
-) -> None:
-    model = StandInModel(L, H)
+def test_patched_forward_non_extend_writes_nothing(fwd: Any, dump: Path, mode: str) -> None:
+    model = fwd.Model(L, H)
     reqs = [("d", _ids(3, 4), 0, 3)] if mode != "DECODE" else [("d", _ids(6, 4), 5, 1)]
-    out = _pass(patched_forward, model, reqs, mode)
-    assert torch.equal(out, _pass(pristine_forward, model, reqs, mode))
+    out = _pass(fwd.patched, model, reqs, mode)
+    assert torch.equal(out, _pass(fwd.pristine, model, reqs, mode))
     assert _pieces(dump) == {}
 
 
-def test_patched_forward_rank_other_than_zero_writes_nothing(
-    patched_forward: Any, dump: Path
-) -> None:
-    model = StandInModel(L, H)
-    patched_forward.tp_rank[0] = 1
+def test_patched_forward_rank_other_than_zero_writes_nothing(fwd: Any, dump: Path) -> None:
+    model = fwd.Model(L, H)
+    fwd.patched.tp_rank[0] = 1
     try:
-        _pass(patched_forward, model, [("e", _ids(4, 5), 0, 4)])
+        _pass(fwd.patched, model, [("e", _ids(4, 5), 0, 4)])
     finally:
-        patched_forward.tp_rank[0] = 0
+        fwd.patched.tp_rank[0] = 0
     assert _pieces(dump) == {}
 
 
 def test_patched_forward_env_unset_changes_nothing(
-    patched_forward: Any, pristine_forward: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    fwd: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("SGLANG_HS_DUMP_DIR", raising=False)
     # Lazy import: with the env unset, hsextract must not even be imported.
-    monkeypatch.setitem(sys.modules, "hsextract.hooks", None)
-    model = StandInModel(L, H)
+    monkeypatch.setitem(sys.modules, "hsextract.sglang.hooks", None)
+    model = fwd.Model(L, H)
     model.layers_to_capture = [1, 4]
     reqs = [("f", _ids(5, 6), 0, 5), ("g", _ids(2, 7), 0, 2)]
-    got = _pass(patched_forward, model, reqs)
-    want = _pass(pristine_forward, model, reqs)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    got = _pass(fwd.patched, model, reqs)
+    want = _pass(fwd.pristine, model, reqs)
+    assert torch.equal(got[0], want[0])
+    assert all(torch.equal(x, y) for x, y in zip(got[1], want[1], strict=True))
     assert not any(tmp_path.rglob("*.safetensors"))
 
 
-def test_patched_forward_keeps_sglang_aux_capture(
-    patched_forward: Any, pristine_forward: Any, dump: Path
-) -> None:
+def test_patched_forward_keeps_sglang_aux_capture(fwd: Any, dump: Path) -> None:
     """SGLang's own layers_to_capture (EAGLE-3 serving) is unchanged while we dump."""
-    model = StandInModel(L, H)
+    model = fwd.Model(L, H)
     model.layers_to_capture = [2, 3]  # overlaps the dump's [2, 4, 5] in one layer
     reqs = [("h", _ids(6, 8), 0, 6)]
-    hidden, aux = _pass(patched_forward, model, reqs)
-    want_hidden, want_aux = _pass(pristine_forward, model, reqs)
-    assert torch.equal(hidden, want_hidden) and torch.equal(aux, want_aux)
+    hidden, aux = _pass(fwd.patched, model, reqs)
+    want_hidden, want_aux = _pass(fwd.pristine, model, reqs)
+    assert torch.equal(hidden, want_hidden)
+    assert all(torch.equal(x, y) for x, y in zip(aux, want_aux, strict=True))
     _check_request(model, reqs[0][1], _pieces(dump)["h"], DEFAULT_LAYERS)

@@ -57,10 +57,13 @@ def test_production_config_plans_every_chunk_without_gpu(production_like, tmp_pa
     assert not p["out"].exists()
 
 
-def test_production_server_command_prints_env_and_argv():
+@pytest.mark.parametrize("version", ["0.5.14", "0.5.23"])
+def test_production_server_command_prints_env_and_argv(version: str):
+    # No SGLang env here to detect the release from: name it.
     out = subprocess.run(
         [sys.executable, "-m", "hsextract.cli", "server", "command",
-         "--configfile", str(REPO / "configs" / "deepseek-v3-8xh200.yaml")],
+         "--configfile", str(REPO / "configs" / "deepseek-v3-8xh200.yaml"),
+         "--config", f"sglang.version={version}"],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     assert "export SGLANG_HS_DUMP_DIR=" in out

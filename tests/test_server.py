@@ -223,3 +223,23 @@ def test_dump_dir_owned_by_another_user_refused(tmp_path):
 def test_spec_roundtrips_through_json(tmp_path):
     spec = health_spec(tmp_path)
     assert ServerSpec(**asdict(spec)) == spec
+
+
+def test_an_automatic_sglang_port_leaves_room_for_its_grpc_port(tmp_path):
+    """Seen on the live H200: SGLang 0.5.14 derives its gRPC port as port + 10000 and exits
+    ("SGLANG_GRPC_PORT (68181) must be between 1 and 65535") for a port above 55535."""
+    import yaml
+
+    from hsextract.config import load_config
+
+    cfg = yaml.safe_load(
+        (Path(__file__).parents[1] / "configs" / "deepseek-v3-8xh200.yaml").read_text()
+    )
+    cfg["sglang"]["version"] = "0.5.14"
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    cfg = load_config(tmp_path / "c.yaml")
+    ports = {
+        server.build_spec(cfg, run_dir=tmp_path, log_path=tmp_path / "l").port for _ in range(200)
+    }
+    assert len(ports) > 100 and max(ports) <= server.SGLANG_MAX_PORT == 55535
+    assert all(server.free_port("127.0.0.1", 30001) <= 30001 for _ in range(50))

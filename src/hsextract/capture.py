@@ -655,18 +655,26 @@ _WRITER_DIR: str | None = None
 _WRITER_PID: int | None = None
 
 
-def get_writer() -> DumpWriter | None:
-    """The process-wide writer, or None when ``SGLANG_HS_DUMP_DIR`` is unset (capture off)."""
+def get_writer(
+    dump_dir: str | None = None, aux_layers: Sequence[int] | None = None
+) -> DumpWriter | None:
+    """The process-wide writer, or None when capture is off.
+
+    The dump dir is ``dump_dir`` when given (``capture: hooks`` passes it in the hooks'
+    config), else ``SGLANG_HS_DUMP_DIR`` (the patch and the reference engine); unset, capture
+    is off.  Aux layers likewise: given, else ``HSEXTRACT_AUX_LAYERS``.
+    """
     global _WRITER, _WRITER_DIR, _WRITER_PID
-    d = os.environ.get(DUMP_DIR_ENV)
+    d = dump_dir or os.environ.get(DUMP_DIR_ENV)
     if not d:
         return None
     if _WRITER is None or _WRITER_DIR != d or _WRITER_PID != os.getpid():
-        layers_env = os.environ.get(AUX_LAYERS_ENV)
-        layers = json.loads(layers_env) if layers_env else None
+        if aux_layers is None:
+            layers_env = os.environ.get(AUX_LAYERS_ENV)
+            aux_layers = json.loads(layers_env) if layers_env else None
         if _WRITER is not None and _WRITER_PID == os.getpid():
             _WRITER.close()
-        _WRITER = DumpWriter(d, layers)
+        _WRITER = DumpWriter(d, aux_layers)
         _WRITER_DIR = d
         _WRITER_PID = os.getpid()
     return _WRITER

@@ -152,7 +152,8 @@ def _run_dir(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hsextract import gpu, patching
+    from hsextract import gpu
+    from hsextract.sglang import patching
 
     parser = argparse.ArgumentParser(
         prog="hsextract", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

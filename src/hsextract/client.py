@@ -673,7 +673,7 @@ def extract_chunk(
 
 def _server_record(state: dict) -> dict:
     from hsextract.server import ServerSpec
-    from hsextract.sglang import redact_argv
+    from hsextract.sglang.launch import redact_argv
 
     spec = ServerSpec(**state["spec"])
     return {

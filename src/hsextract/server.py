@@ -71,10 +71,25 @@ class ServerSpec:
         return settings_digest(self.settings)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+#: SGLang (0.5.14, seen on the H200) derives its gRPC port as port + 10000 and refuses to
+#: start if that passes 65535; an automatic port stays below this for the sglang engine.
+SGLANG_MAX_PORT = 65535 - 10000
+
+
+def free_port(host: str = "127.0.0.1", max_port: int = 65535) -> int:
+    """A port free on ``host`` now, at most ``max_port``."""
+    import random
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for _ in range(200):
+        port = random.randint(20000, max_port) if max_port < 65535 else 0
+        with socket.socket(family) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise ServerError(f"no free port at most {max_port} on {host}; set server.port")
 
 
 def pid_alive(pid: int | str | None) -> bool:
@@ -342,7 +357,7 @@ def ensure(
         if gate is not None:
             gate()
         if spec.extra.get("port_auto"):
-            spec = replace(spec, port=free_port(spec.host))
+            spec = replace(spec, port=free_port(spec.host, spec.extra.get("max_port", 65535)))
             spec.argv = _with_port(spec.argv, spec.port)
         state = start(spec)
         write_json(live, state)
@@ -433,13 +448,15 @@ def build_spec(cfg: dict, *, run_dir: Path, log_path: Path) -> ServerSpec:
 
     server = cfg["server"]
     port_auto = server["port"] == 0
-    port = free_port(server["host"]) if port_auto else int(server["port"])
+    max_port = SGLANG_MAX_PORT if cfg["engine"] == "sglang" else 65535
+    port = free_port(server["host"], max_port) if port_auto else int(server["port"])
     ddir = str(dump_dir(cfg))
-    env: dict[str, str] = {"SGLANG_HS_DUMP_DIR": ddir}
-    if cfg.get("aux_layers") is not None:
-        env["HSEXTRACT_AUX_LAYERS"] = json.dumps(cfg["aux_layers"])
+    env: dict[str, str] = {}
     api_key_env = API_KEY_ENV if server.get("api_key") else None
     if cfg["engine"] == "reference":
+        env["SGLANG_HS_DUMP_DIR"] = ddir  # the engine captures through the patch's path
+        if cfg.get("aux_layers") is not None:
+            env["HSEXTRACT_AUX_LAYERS"] = json.dumps(cfg["aux_layers"])
         argv = [
             sys.executable, "-m", "hsextract.engine",
             "--model-path", str(Path(cfg["model"]["path"]).resolve()),
@@ -457,7 +474,7 @@ def build_spec(cfg: dict, *, run_dir: Path, log_path: Path) -> ServerSpec:
         if cfg.get("aux_layers") is not None:
             argv += ["--aux-layers", json.dumps(cfg["aux_layers"])]
     else:
-        from hsextract.sglang import build_launch
+        from hsextract.sglang.launch import build_launch
 
         argv, sg_env = build_launch(cfg, dump_dir=ddir, port=port)
         env.update(sg_env)
@@ -475,7 +492,7 @@ def build_spec(cfg: dict, *, run_dir: Path, log_path: Path) -> ServerSpec:
         dump_dir=ddir,
         health_timeout_s=float(server["health_timeout_s"]),
         api_key_env=api_key_env,
-        extra={"port_auto": port_auto, "run_dir": str(run_dir)},
+        extra={"port_auto": port_auto, "run_dir": str(run_dir), "max_port": max_port},
         settings=launch_settings(cfg),
     )
 

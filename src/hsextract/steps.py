@@ -144,48 +144,68 @@ def preflight_budget(sm: Any) -> None:
 
 
 def apply_patch(sm: Any) -> None:
-    """SGLang: patch the configured env's sglang.  Reference: verify the patch on a copy."""
-    from hsextract import patching
+    """SGLang: patch the configured env's sglang.  Reference: verify the patches on copies."""
+    from hsextract.sglang import patching
 
     cfg = sm.config
-    if cfg["engine"] == "sglang" and cfg.get("capture", "patch") == "patch":
-        report = _as_dict(patching.apply(_installed_sglang_root(cfg)))
-    elif cfg["engine"] == "sglang":
-        report = {
-            "action": "none",
-            "reason": "capture: hooks needs no patch; sglang left untouched",
-        }
+    if cfg["engine"] == "sglang":
+        from hsextract.sglang.launch import release
+
+        rel = release(cfg)
+        root = _installed_sglang_root(cfg)
+        installed = patching.installed_version(root)
+        if installed != rel.version:
+            raise patching.PatchError(
+                f"sglang.version says {rel.version}, {root} is sglang {installed}; fix "
+                "sglang.version (or leave it null to use what is installed)"
+            )
+        if cfg.get("capture", "patch") == "patch":
+            report = _as_dict(patching.apply(root))
+        else:
+            report = {
+                "action": "none",
+                "version": rel.version,
+                "path": str(root),
+                "reason": f"capture: hooks ({rel.hooks}) needs no patch; sglang left untouched",
+            }
     else:
-        report = _verify_patch_on_pinned_copy()
+        report = _verify_patches_on_pinned_copies()
     write_json(Path(sm.output.state), report)
 
 
-def _verify_patch_on_pinned_copy() -> dict:
+def _verify_patches_on_pinned_copies() -> dict:
+    """Every supported release's patch applied, verified and reverted on a temporary copy
+    of that release's source: the demo proves the patches still fit."""
     import shutil
 
-    from hsextract import patching
+    from hsextract.sglang import patching, versions
 
-    base = {
+    out: dict[str, Any] = {
         "engine": "reference",
         "note": "the reference engine calls hsextract.capture directly; no installed "
-        "package was touched. The patch was applied to a temporary copy of the pinned "
+        "package was touched. Each patch was applied to a temporary copy of its release's "
         "sglang source to prove it still applies and verifies.",
+        "action": "verified-on-copy",
+        "versions": {},
     }
-    try:
-        src = patching.ensure_pinned_source()
-    except Exception as exc:  # offline laptop: say so, do not fail the demo
-        return {**base, "action": "skipped", "reason": f"pinned sglang source unavailable: {exc}"}
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp) / "sglang"
-        shutil.copytree(src / "sglang" / "srt" / "models", root / "srt" / "models")
-        for f in (src / "sglang").glob("*.py"):  # _version.py names the release
-            shutil.copy2(f, root / f.name)
-        steps = {
-            "apply": _as_dict(patching.apply(root)),
-            "verify": _as_dict(patching.verify(root)),
-            "revert": _as_dict(patching.revert(root)),
-        }
-    return {**base, "action": "verified-on-copy", **steps}
+    for version in versions.known():
+        try:
+            src = patching.ensure_pinned_source(version)
+        except Exception as exc:  # offline laptop: say so, do not fail the demo
+            out["versions"][version] = {"action": "skipped", "reason": f"unavailable: {exc}"}
+            out["action"] = "partly-skipped"
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp) / "sglang"
+            shutil.copytree(src / "sglang" / "srt" / "models", root / "srt" / "models")
+            for f in (src / "sglang").glob("*.py"):  # _version.py names the release
+                shutil.copy2(f, root / f.name)
+            out["versions"][version] = {
+                "apply": _as_dict(patching.apply(root)),
+                "verify": _as_dict(patching.verify(root)),
+                "revert": _as_dict(patching.revert(root)),
+            }
+    return out
 
 
 def _as_dict(result: Any) -> dict:
@@ -257,6 +277,19 @@ def ensure_server(cfg: dict) -> dict:
     )
 
 
+def check_sglang_command(cfg: dict, argv: list[str]) -> dict:
+    """Every option of the launch command, checked against the installed release's own
+    declarations before anything starts (a wrong flag otherwise costs an 8-GPU start)."""
+    from hsextract.sglang import flags
+    from hsextract.sglang.launch import release
+
+    rel = release(cfg)
+    root = _installed_sglang_root(cfg)
+    seen = flags.check_argv(argv, flags.declared_flags(root, rel), rel.version)
+    log.info("sglang %s at %s declares all %d options of the command", rel.version, root, len(seen))
+    return {"version": rel.version, "sglang_root": str(root), "options_checked": seen}
+
+
 def launch_server(sm: Any) -> None:
     """Record the launch spec; start the server only if some chunk needs extracting.
 
@@ -270,6 +303,8 @@ def launch_server(sm: Any) -> None:
     cfg = sm.config
     rd = _mark_run_dir(cfg)
     _export_api_key(cfg)
+    spec = server.build_spec(cfg, run_dir=rd, log_path=rd / "logs" / "server.log")
+    checked = check_sglang_command(cfg, spec.argv) if cfg["engine"] == "sglang" else {}
     todo = [
         s.chunk for s in chunk_states(rd, Path(sm.input.index), fingerprint(cfg)) if not s.current
     ]
@@ -277,10 +312,10 @@ def launch_server(sm: Any) -> None:
         state = ensure_server(cfg)
         log.info("server healthy at %s (pid %s)", state["url"], state["pid"])
     else:
-        spec = server.build_spec(cfg, run_dir=rd, log_path=rd / "logs" / "server.log")
         state = {"started": False, "reason": "every chunk is current", "spec": asdict(spec)}
         log.info("every chunk is current: the server is not started")
-    server.write_json(Path(sm.output.state), {**state, "chunks_to_extract": len(todo)})
+    state = {**state, "chunks_to_extract": len(todo), "command_check": checked}
+    server.write_json(Path(sm.output.state), state)
     write_settings(Path(sm.output.settings), sm.params.settings)
 
 

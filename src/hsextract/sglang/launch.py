@@ -1,7 +1,8 @@
-"""The extraction-mode ``python -m sglang.launch_server`` command for SGLang 0.5.23.
+"""The extraction-mode ``python -m sglang.launch_server`` command, for each supported release.
 
-Every flag here is a name the pinned source declares (tests parse
-``sglang/srt/arg_groups/fields/*.py`` and ``srt/server_args.py``), never a deprecated or
+Every flag here is a name the release's own source declares (``hsextract.sglang.flags``
+reads them; ``launch_server`` checks the command against the installed release before it
+starts anything, the tests against every supported one), never a deprecated or
 abbreviated spelling: ``--tp-size`` not ``--tp`` (which only works as an argparse
 abbreviation), ``--cuda-graph-backend-{decode,prefill} disabled`` not the deprecated
 ``--disable-cuda-graph``.  Why each setting (the seed's five):
@@ -29,8 +30,11 @@ from typing import Any
 from hsextract.config import is_loopback, read_model_config
 from hsextract.convention import default_aux_layers
 from hsextract.errors import ConfigError
+from hsextract.sglang import versions
+from hsextract.sglang.versions import SglangVersion
 
-#: SGLang 0.5.23 accepts an input of n tokens iff n < context_length - 6 (see module doc).
+#: Every supported release accepts an input of n tokens iff n < context_length - 6 (see
+#: module doc; each release's declaration says so, and the tests read it in its source).
 CONTEXT_HEADROOM = 7
 #: What the client should send as ``sampling_params.max_new_tokens``: 0 is accepted by
 #: 0.5.23 (``max_new_tokens must be at least 0``) and makes the request prefill-only
@@ -60,6 +64,8 @@ FORBIDDEN_FLAGS: dict[str, str] = {
     "--data-parallel-size": "one server per node: data parallel replicas are not supported",
     "--enable-attn-tp-input-scattered": "scattered attention input leaves rank 0 a slice",
     "--pp-size": "pipeline parallelism splits aux layers and final norm across ranks",
+    "--enable-prefill-cp": "context parallel splits a request's tokens across ranks",
+    "--attn-cp-size": "context parallel splits a request's tokens across ranks",
     "--pipeline-parallel-size": "pipeline parallelism splits aux layers and final norm",
     "--speculative-draft-model-path": "speculative decoding changes what an extend pass is",
     "--config": "a SGLang config file could re-enable anything; use sglang.extra_args",
@@ -98,6 +104,7 @@ MANAGED_ENV = (
 
 SGLANG_DEFAULTS: dict[str, Any] = {
     "python": "python",
+    "version": None,
     "tp_size": 1,
     "mem_fraction_static": None,
     "context_length": None,
@@ -111,10 +118,50 @@ def sglang_section(cfg: dict) -> dict[str, Any]:
     return {**SGLANG_DEFAULTS, **(cfg.get("sglang") or {})}
 
 
-def context_length(cfg: dict) -> int:
+_DETECTED: dict[str, str] = {}
+
+
+def installed_version(python: str) -> str:
+    """The sglang version installed in the env of ``python`` (its package metadata: no
+    import, which would initialise CUDA libraries for nothing)."""
+    import subprocess
+
+    if python not in _DETECTED:
+        code = "import importlib.metadata as m; print(m.version('sglang'))"
+        try:
+            proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot run {python} (sglang.python) to find its SGLang version: {exc}; "
+                "fix sglang.python, or set sglang.version"
+            ) from exc
+        if proc.returncode != 0:
+            raise ConfigError(
+                f"{python} (sglang.python) has no sglang installed: "
+                f"{proc.stderr.strip()[-300:]}; fix sglang.python, or set sglang.version"
+            )
+        _DETECTED[python] = proc.stdout.strip()
+    return _DETECTED[python]
+
+
+def release(cfg: dict) -> SglangVersion:
+    """The declaration of the configured env's SGLang release (``sglang.version`` or the
+    installed one); an unsupported release is refused naming the supported ones."""
+    sg = sglang_section(cfg)
+    version = sg["version"] or installed_version(sg["python"])
+    try:
+        return versions.get(version)
+    except versions.UnknownVersion as exc:
+        raise ConfigError(
+            f"{exc}. (With capture: hooks no patch is needed, but the flags and the hooks "
+            "design are still per release.)"
+        ) from None
+
+
+def context_length(cfg: dict, headroom: int = CONTEXT_HEADROOM) -> int:
     """The ``--context-length`` that admits every record of ``max_seq_len`` tokens."""
     configured = sglang_section(cfg)["context_length"]
-    return int(configured) if configured is not None else int(cfg["max_seq_len"]) + CONTEXT_HEADROOM
+    return int(configured) if configured is not None else int(cfg["max_seq_len"]) + headroom
 
 
 def _flag_name(token: str) -> str:
@@ -128,7 +175,7 @@ def _matches(token: str, flag: str) -> bool:
     return name == flag or (len(name) > 3 and flag.startswith(name))
 
 
-def validate_sglang_config(cfg: dict) -> None:
+def validate_sglang_config(cfg: dict, rel: SglangVersion | None = None) -> None:
     """Raise ConfigError naming the reason when the config would leave extraction mode."""
     sg = sglang_section(cfg)
     unknown = sorted(set(sg) - set(SGLANG_DEFAULTS))
@@ -143,13 +190,14 @@ def validate_sglang_config(cfg: dict) -> None:
     dtype = cfg["model"]["dtype"]
     if dtype not in SGLANG_DTYPES:
         raise ConfigError(f"model.dtype {dtype!r} is not an SGLang dtype {SGLANG_DTYPES}")
+    headroom = rel.context_headroom if rel else CONTEXT_HEADROOM
     max_seq_len = int(cfg["max_seq_len"])
-    ctx = context_length(cfg)
-    if ctx < max_seq_len + CONTEXT_HEADROOM:
+    ctx = context_length(cfg, headroom)
+    if ctx < max_seq_len + headroom:
         raise ConfigError(
             f"sglang.context_length {ctx} is too short for max_seq_len {max_seq_len}: SGLang "
-            f"0.5.23 refuses inputs of >= context_length - 6 tokens; use >= "
-            f"{max_seq_len + CONTEXT_HEADROOM} or null"
+            f"{rel.version if rel else ''} refuses inputs of >= context_length - "
+            f"{headroom - 1} tokens; use >= {max_seq_len + headroom} or null"
         )
     server = cfg.get("server") or {}
     host = server.get("host", "127.0.0.1")
@@ -176,13 +224,14 @@ def validate_sglang_config(cfg: dict) -> None:
     clash = sorted(set(extra_env) & set(MANAGED_ENV))
     if clash:
         raise ConfigError(f"sglang.extra_env may not set {clash}: build_launch owns them")
-    if cfg.get("capture", "patch") == "hooks":
+    if cfg.get("capture", "patch") == "hooks" and rel is not None and rel.hooks == "aux_capture":
         layers = cfg.get("aux_layers")
         if layers and layers[0] == 1:
             # set_eagle3_layers_to_capture adds 1 to every id when the list starts with 1.
             raise ConfigError(
-                f"capture: hooks cannot capture aux_layers {layers}: SGLang 0.5.23 shifts a "
-                "layer-id list starting with 1 by one; use capture: patch"
+                f"capture: hooks cannot capture aux_layers {layers} with SGLang "
+                f"{rel.version}: it shifts a layer-id list starting with 1 by one; use "
+                "capture: patch"
             )
 
 
@@ -199,12 +248,16 @@ def _aux_layers(cfg: dict) -> list[int] | None:
 def _src_dir() -> str:
     # The SGLang env is the user's: the patch and the hook import hsextract from this
     # checkout, which needs only torch + safetensors (both in any SGLang env).
-    return str(Path(__file__).resolve().parents[1])
+    return str(Path(__file__).resolve().parents[2])
 
 
-def build_launch(cfg: dict, *, dump_dir: str, port: int) -> tuple[list[str], dict[str, str]]:
-    """argv and the environment variables to add, for an extraction-mode SGLang server."""
-    validate_sglang_config(cfg)
+def build_launch(
+    cfg: dict, *, dump_dir: str, port: int, rel: SglangVersion | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """argv and the environment variables to add, for an extraction-mode SGLang server of
+    release ``rel`` (default: the configured env's, see :func:`release`)."""
+    rel = rel or release(cfg)
+    validate_sglang_config(cfg, rel)
     sg = sglang_section(cfg)
     server = cfg.get("server") or {}
     argv = [
@@ -214,7 +267,7 @@ def build_launch(cfg: dict, *, dump_dir: str, port: int) -> tuple[list[str], dic
         "--tp-size", str(sg["tp_size"]),
         "--host", server.get("host", "127.0.0.1"),
         "--port", str(port),
-        "--context-length", str(context_length(cfg)),
+        "--context-length", str(context_length(cfg, rel.context_headroom)),
         "--chunked-prefill-size", str(server.get("chunked_prefill_size", 8192)),
         "--max-running-requests", str(server.get("max_running_requests", 8)),
         "--cuda-graph-backend-decode", "disabled",
@@ -228,27 +281,34 @@ def build_launch(cfg: dict, *, dump_dir: str, port: int) -> tuple[list[str], dic
     if server.get("api_key"):
         argv += ["--api-key", str(server["api_key"])]
     layers = _aux_layers(cfg)
-    if cfg.get("capture", "patch") == "hooks":
+    env = {str(k): str(v) for k, v in sg["extra_env"].items()}
+    hooks = cfg.get("capture", "patch") == "hooks"
+    if hooks:
         # Imported here: hooks pulls in torch, which `server command` should not pay for.
-        from hsextract.hooks import forward_hooks_spec
+        from hsextract.sglang.hooks import forward_hooks_spec
 
-        # SGLang's own EAGLE-3 aux capture without a draft, plus our hook on the inner model.
-        argv += ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3"]
-        if cfg.get("aux_layers") is not None:
-            argv += ["--return-aux-hidden-state-layer-ids", *map(str, cfg["aux_layers"])]
-        argv += ["--forward-hooks", forward_hooks_spec(layers)]
+        if rel.hooks == "aux_capture":
+            # SGLang's own EAGLE-3 aux capture without a draft, plus a hook on the model.
+            argv += ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3"]
+            if cfg.get("aux_layers") is not None:
+                argv += ["--return-aux-hidden-state-layer-ids", *map(str, cfg["aux_layers"])]
+        if sg["tp_size"] > 1:
+            argv += list(rel.hooks_tp_args)
+        if layers is None and rel.hooks == "layernorm":
+            raise ConfigError(
+                f"capture: hooks with SGLang {rel.version} hooks each aux layer by number: "
+                f"set aux_layers, or make {cfg['model']['path']}/config.json readable here"
+            )
+        # The dump dir travels in the hooks' config, not SGLANG_HS_DUMP_DIR: a patched
+        # install (one env for both modes) would otherwise dump every pass twice.
+        argv += ["--forward-hooks", forward_hooks_spec(rel.hooks, layers, dump_dir)]
     argv += list(sg["extra_args"])
     pythonpath = _src_dir()
     if os.environ.get("PYTHONPATH"):
         pythonpath += os.pathsep + os.environ["PYTHONPATH"]
-    env = {str(k): str(v) for k, v in sg["extra_env"].items()}
-    env.update(
-        {
-            "SGLANG_HS_DUMP_DIR": str(dump_dir),
-            "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1",
-            "PYTHONPATH": pythonpath,
-        }
-    )
+    env.update({"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1", "PYTHONPATH": pythonpath})
+    if not hooks:
+        env["SGLANG_HS_DUMP_DIR"] = str(dump_dir)
     if layers is not None:
         env["HSEXTRACT_AUX_LAYERS"] = json.dumps(layers)
     return argv, env

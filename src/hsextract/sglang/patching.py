@@ -1,7 +1,9 @@
 """Apply, verify and revert the SGLang dump patch, refusing any file that is not the pinned one.
 
-The patch is a unified diff under ``patches/sglang-<version>/`` with a ``manifest.json``
-recording the target file and its pristine and patched sha256.  We apply it ourselves (no
+Each supported release has its patch: a unified diff under ``patches/sglang-<version>/``
+with a ``manifest.json`` recording the target file and its pristine and patched sha256.
+The installed release is read from the package itself (``_version.py``) and its patch
+chosen; a release with none is refused, naming the ones known.  We apply it ourselves (no
 ``patch`` binary) and only to a file whose sha256 is the recorded pristine one: a file
 changed by anyone else is left untouched, with a message naming version and both hashes.
 """
@@ -23,8 +25,7 @@ from pathlib import Path
 
 from hsextract.errors import HsextractError
 
-PINNED_VERSION = "0.5.23"
-PATCHES_DIR = Path(__file__).resolve().parents[2] / "patches"
+PATCHES_DIR = Path(__file__).resolve().parents[3] / "patches"
 BACKUP_SUFFIX = ".hsextract-orig"
 # The wheel we read the source from: pinned so every machine and CI python gets the same
 # bytes (the .py files are identical across sglang's platform wheels; this is for the cache).
@@ -76,10 +77,16 @@ def sha256_file(path: Path) -> str:
 
 
 def load_spec(version: str, patches_dir: Path | None = None) -> PatchSpec:
+    from hsextract.sglang import versions
+
     d = (patches_dir or PATCHES_DIR) / f"sglang-{version}"
     manifest = d / "manifest.json"
     if not manifest.is_file():
-        raise PatchError(f"no patch for sglang {version} (looked for {manifest})")
+        raise PatchError(
+            f"no patch for sglang {version} (looked for {manifest}); patches exist for "
+            f"{', '.join(versions.known())}. Install one of those, or use capture: hooks, "
+            "which modifies no file"
+        )
     m = json.loads(manifest.read_text())
     return PatchSpec(
         version=m["sglang_version"],
@@ -254,13 +261,14 @@ def revert(sglang_root: Path, patches_dir: Path | None = None) -> PatchResult:
     return _result(spec, target, "reverted", f"restored pristine {target}")
 
 
-def default_cache_dir(version: str = PINNED_VERSION) -> Path:
+def default_cache_dir(version: str) -> Path:
     base = os.environ.get("HSEXTRACT_CACHE") or str(Path.home() / ".cache" / "hsextract")
     return Path(base) / f"sglang-{version}"
 
 
-def ensure_pinned_source(cache_dir: Path | None = None, version: str = PINNED_VERSION) -> Path:
-    """The directory holding the pinned ``sglang/`` source; downloads and unzips the wheel once.
+def ensure_pinned_source(version: str, cache_dir: Path | None = None) -> Path:
+    """The directory holding release ``version``'s ``sglang/`` source; downloads and unzips
+    its wheel once.
 
     Tests and the flag checks read SGLang's real source, never a copy we maintain.
     """

@@ -1,0 +1,26 @@
+"""SGLang 0.5.14: the release whose ``torch==2.11.0`` pin matches the H200 machine (it runs
+live there: ../h200/) and the one SpecForge's own capture patch targets.
+
+- Options: ``A[T, Arg(...)]`` fields of the ``ServerArgs`` dataclass in server_args.py.
+- No ``--enable-return-aux-hidden-states`` (``--enable-return-hidden-states`` returns only
+  the last chunk's states with chunked prefill), so hooks capture at each aux layer's
+  ``input_layernorm``: its output ``(normed, residual)`` is the residual stream entering
+  the layer (``residual`` alone, before the norm, for layer 0, whose input it is).
+- DeepseekV2 layers return ``(hidden, residual, topk)`` and take SGLang's aux capture as a
+  plain list (``captured_last_layer_outputs.append``): the patch's collector appends.
+- With tp_size > 1 on SM90 it auto-enables FlashInfer's fused all-reduce + add + norm for
+  DeepSeek-V3 (server_args.py), which bypasses ``input_layernorm``'s module call: hooks
+  mode disables it (the patch captures through SGLang's own path, which handles it).
+"""
+
+from hsextract.sglang.versions import SglangVersion
+
+VERSION = SglangVersion(
+    version="0.5.14",
+    args_files=("srt/server_args.py",),
+    args_classes="ServerArgs",
+    hooks="layernorm",
+    hooks_tp_args=("--enforce-disable-flashinfer-allreduce-fusion",),
+    context_headroom=7,
+    torch="2.11.0",
+)
