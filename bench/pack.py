@@ -10,6 +10,8 @@ passes, so each record arrives as several pieces; ~2.2 GB in all), then times, p
   finiteness through a mapping) -> piece unlinking -> ``ChunkWriter.put_files`` (kernel
   copy from the unlinked pieces) -> closing them, per record, then ``ChunkWriter.finish``
   (fsync, sha256, rename) and ``check_chunk``;
+  With ``--codec lossless`` (or ``fp8``) ``put_files`` reads and encodes the rows
+  instead of copying them in the kernel;
 * ``cp``: ``cp -r`` of the same piece files to the same disk, then ``sync -f`` so the bytes
   are as durable as the chunk file's (its ``finish`` fsyncs).  ``cp`` alone (page cache
   only) is printed too.
@@ -20,6 +22,7 @@ allowed; the output says whether it was), so both start with a clean page cache 
 disk and no dirty pages.  The order of the two sides alternates between trials.
 
 Usage: .venv/bin/python bench/pack.py [--gb 2.2] [--trials 3] [--disk-dir /tmp] [--profile]
+       [--codec none|lossless|fp8]
 Last line: ``pack/cp throughput ratio: X.XX`` (medians; ``cp`` includes its sync).
 """
 
@@ -116,7 +119,14 @@ def settle() -> bool:
         return False
 
 
-def pack(dump_dir: Path, out: Path, records: list[list[int]], rids: list[str], threads: int) -> str:
+def pack(
+    dump_dir: Path,
+    out: Path,
+    records: list[list[int]],
+    rids: list[str],
+    threads: int,
+    codec: str = "none",
+) -> str:
     """The client's packing path for one chunk (extract_chunk minus HTTP)."""
     geo = Geometry(hidden_size=H, num_layers=61, aux_layers=AUX, dtype=DTYPE)
     meta = {
@@ -126,12 +136,17 @@ def pack(dump_dir: Path, out: Path, records: list[list[int]], rids: list[str], t
         "model": "bench",
         "fingerprint": "bench",
         "engine": "reference",
-        "format_version": "1",
         "dtype": "bfloat16",
         "chunk": out.stem,
     }
     writer = ChunkWriter(
-        out, [len(r) for r in records], hidden_size=H, n_aux=len(AUX), dtype=DTYPE, metadata=meta
+        out,
+        [len(r) for r in records],
+        hidden_size=H,
+        n_aux=len(AUX),
+        dtype=DTYPE,
+        metadata=meta,
+        codec=codec,
     )
 
     def one(j: int) -> None:
@@ -178,6 +193,12 @@ def main() -> None:
     ap.add_argument("--disk-dir", default="/tmp", help="where the chunk file and cp go")
     ap.add_argument("--shm-dir", default="/dev/shm")
     ap.add_argument(
+        "--codec",
+        default="none",
+        choices=["none", "lossless", "fp8"],
+        help="storage.codec of the chunk file (cp always copies the uncompressed pieces)",
+    )
+    ap.add_argument(
         "--profile",
         action="store_true",
         help="cProfile the first pack trial (run inline, one thread)",
@@ -220,7 +241,7 @@ def main() -> None:
                     if prof:
                         prof.enable()
                     threads = 1 if prof else args.threads
-                    shas.add(pack(dump, out, records, rids, threads))
+                    shas.add(pack(dump, out, records, rids, threads, args.codec))
                     if prof:
                         prof.disable()
                     t = time.perf_counter() - t0
@@ -230,6 +251,7 @@ def main() -> None:
                     # Spot check: a record's bytes came through unchanged.
                     r = ChunkReader(out)[len(records) // 2]
                     assert r["input_ids"].tolist() == records[len(records) // 2]
+                    assert r["hidden_states"].shape == (len(records[len(records) // 2]), H)
                 rate = nbytes / t / 1e9
                 print(f"trial {trial} {side:>4}: {t:6.2f} s  {rate:5.2f} GB/s", flush=True)
         med = {k: statistics.median(v) for k, v in res.items()}
@@ -238,7 +260,8 @@ def main() -> None:
             f"pieces: {len(records)} records, {tokens} tokens, {n_pieces} pieces, "
             f"{nbytes / 1e9:.3f} GB in {args.shm_dir}; chunk file {size / 1e9:.3f} GB on "
             f"{args.disk_dir}; H={H}, k={len(AUX)}, bf16, prefill {args.prefill}, "
-            f"{args.threads} client threads"
+            f"{args.threads} client threads, codec {args.codec} "
+            f"(pieces/chunk bytes {nbytes / size:.3f})"
         )
         print(f"page cache dropped before each side: {'yes' if dropped else 'NO (not allowed)'}")
         print(f"chunk sha256: {sorted(shas)}")

@@ -21,19 +21,21 @@ from hsextract.capture import ABANDONED_DIR
 from hsextract.client import Client, model_geometry
 from hsextract.config import load_config
 
-SLOW_FIRST_PASS = {"extend": [{"rid": "abandon-me", "nth": [1], "do": "slow", "seconds": 4}]}
+SLOW_FIRST_PASS = {"extend": [{"rid": "abandon-me", "nth": [1], "do": "slow", "seconds": 6}]}
 
 
 @pytest.fixture
 def slow_engine(demo_run, tmp_path, monkeypatch):
     """The demo model behind a reference engine whose first pass for rid 'abandon-me*'
-    is followed by a 4 s stall; 64-token chunked prefill, so a 512-token request has
-    passes left when the client's 1.5 s timeout fires."""
+    is followed by a 6 s stall; 64-token chunked prefill, so a 512-token request has
+    passes left when the client's 4 s timeout fires.  The retry starts after the stall
+    (4 + 3 s backoff) and has 4 s for eight tiny passes: generous on a loaded 2-core box
+    (a 1.5 s timeout for them once failed there)."""
     monkeypatch.chdir(demo_run["workdir"])
     cfg = copy.deepcopy(load_config("config.yaml"))
     cfg["server"]["chunked_prefill_size"] = 64
     # The retry waits out the stall (backoff 3 s), so only the first attempt times out.
-    cfg["client"].update(request_timeout_s=1.5, retries=1, backoff_s=3.0, piece_timeout_s=10)
+    cfg["client"].update(request_timeout_s=4, retries=1, backoff_s=3.0, piece_timeout_s=10)
     cfg["dump"]["dir"] = str(tmp_path / "dump")
     monkeypatch.setenv("HSEXTRACT_FAULTS", json.dumps(SLOW_FIRST_PASS))
     spec = server.build_spec(cfg, run_dir=tmp_path, log_path=tmp_path / "server.log")
@@ -76,7 +78,7 @@ def test_without_abort_the_server_would_recreate_the_pieces(slow_engine):
     rid = "abandon-me-control"
     body = {"input_ids": [i % 500 for i in range(512)], "rid": rid, "sampling_params": {}}
     with pytest.raises(requests.Timeout):
-        requests.post(f"{state['url']}/generate", json=body, timeout=1.5)
+        requests.post(f"{state['url']}/generate", json=body, timeout=4)
     shutil.rmtree(dump / rid, ignore_errors=True)
     _idle(state["url"])
     time.sleep(0.5)

@@ -72,8 +72,17 @@ def test_extract_all_writes_contract_chunks_and_manifest(demo_run):
         assert shapes["input_ids"] == ([t], "I32")
         assert shapes["loss_mask"] == ([t], "U8")
         assert shapes["offsets"] == ([entry["records"] + 1], "I64")
-        assert shapes["hidden_states"] == ([t, h], "F32")
-        assert shapes["aux_hidden_states"] == ([t, k * h], "F32")
+        # The default codec (lossless): the rows as frames of a blob, decoded per record
+        # to the captured dtype and the contract's shapes (tests/test_storage.py: bit-exact).
+        assert r.codec == info["codec"] == "lossless"
+        assert shapes["frame_start"] == ([entry["records"] + 1], "I64")
+        assert shapes["blob"][1] == "U8" and 0 < info["stored_bytes"] < info["raw_bytes"]
+        assert info["raw_bytes"] == t * h * (k + 1) * 4
+        for j, (a, b) in enumerate(zip(r.offsets[:-1], r.offsets[1:], strict=True)):
+            rec = r[j]
+            assert rec["hidden_states"].shape == (b - a, h)
+            assert rec["aux_hidden_states"].shape == (b - a, k * h)
+            assert rec["hidden_states"].dtype == rec["aux_hidden_states"].dtype == torch.float32
         assert r.aux_layers == [2, 4, 5]  # SGLang's EAGLE-3 default for 8 layers
         for key in ("record_ids", "model", "fingerprint", "engine", "format_version"):
             assert key in r.metadata
@@ -155,6 +164,7 @@ def test_inspect_cli(demo_run):
         check=True,
     ).stdout
     assert "aux_hidden_states" in out and "fingerprint" in out and "records:" in out
+    assert "codec: lossless" in out and "x smaller" in out
 
 
 def test_verify_cli_catches_a_flipped_byte(demo_copy):

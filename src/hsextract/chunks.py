@@ -19,6 +19,7 @@ import hashlib
 import json
 import mmap
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,11 +27,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hsextract import faults
+from hsextract import faults, storage
 from hsextract.errors import HsextractError
 
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "1"  # the uncompressed layout
+FORMAT_VERSION_CODED = "2"  # lossless or fp8: other tensors (storage.py)
 _WRITE_SLICE = 1 << 20  # bytes per pwrite
+#: Compressed frames of records ahead of their turn held in memory before they spill.
+PENDING_BYTES = 1 << 30
 _ST_DTYPES = {
     torch.float32: "F32",
     torch.bfloat16: "BF16",
@@ -100,6 +104,8 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach().to("cpu").contiguous()
     if t.dtype == torch.bfloat16:  # numpy has no bf16: reinterpret the bits
         t = t.view(torch.int16)
+    if not t.numel():
+        return memoryview(b"")
     return memoryview(t.numpy()).cast("B")
 
 
@@ -119,8 +125,44 @@ def remove_stale_temps(path: Path) -> list[str]:
     return removed
 
 
+class _Rows:
+    """Consecutive row bytes of one tensor of a record, read a frame at a time: from memory
+    (``put``) or from byte ranges of open dump pieces (``put_files``)."""
+
+    def __init__(
+        self, mem: memoryview | None = None, ranges: Sequence[tuple[int, int, int, str]] = ()
+    ) -> None:
+        self.mem, self.pos = mem, 0
+        self.ranges = [list(r) for r in ranges]
+
+    def read(self, n: int) -> memoryview | np.ndarray:
+        if self.mem is not None:
+            out = self.mem[self.pos : self.pos + n]
+            self.pos += n
+            return out
+        buf = np.empty(n, dtype=np.uint8)
+        view, got = memoryview(buf), 0
+        while got < n:
+            fd, at, left, name = self.ranges[0]
+            m = os.preadv(fd, [view[got : got + min(left, n - got)]], at)
+            if m <= 0:
+                raise ChunkFileError(f"{name}: file ends at byte {at}")
+            got += m
+            self.ranges[0][1:3] = [at + m, left - m]
+            if left == m:
+                self.ranges.pop(0)
+        return buf
+
+
 class ChunkWriter:
-    """Preallocated, position-addressed writer: records may arrive in any order."""
+    """Position-addressed writer: records may arrive in any order, from any thread.
+
+    With ``codec="none"`` the file is preallocated and rows go to their final offsets.
+    With ``lossless`` the frames' sizes are unknown until they are compressed, so they are
+    appended after the fixed-size part (ids, mask, offsets, frame table) as they come; the
+    header is rewritten at ``finish`` with the blob's final size, in space reserved for it.
+    ``fp8`` is fixed-size like ``none``, plus a per-layer error report in the header.
+    """
 
     def __init__(
         self,
@@ -131,58 +173,134 @@ class ChunkWriter:
         n_aux: int,
         dtype: torch.dtype,
         metadata: dict[str, str],
+        codec: str = "none",
     ) -> None:
+        if codec not in storage.CODECS:
+            raise ChunkFileError(f"unknown storage codec {codec!r}; known: {storage.CODECS}")
         self.path = Path(path)
         self.tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        self.codec = codec
         self.lengths = [int(n) for n in lengths]
         self.offsets = np.zeros(len(self.lengths) + 1, dtype=np.int64)
         np.cumsum(self.lengths, out=self.offsets[1:])
         t = int(self.offsets[-1])
         self.h, self.k, self.dtype = hidden_size, n_aux, dtype
-        esize = torch.empty((), dtype=dtype).element_size()
+        self.esize = esize = torch.empty((), dtype=dtype).element_size()
+        self.row_bytes = (esize * self.h, esize * self.k * self.h)  # hidden, aux
+        self.metadata = dict(metadata)
+        self.metadata.update(
+            codec=codec,
+            codec_params=json.dumps(storage.codec_params(codec), sort_keys=True),
+            format_version=FORMAT_VERSION if codec == "none" else FORMAT_VERSION_CODED,
+        )
         layout = [
             ("input_ids", "I32", [t], 4 * t),
             ("loss_mask", "U8", [t], t),
             ("offsets", "I64", [len(self.offsets)], 8 * len(self.offsets)),
-            ("hidden_states", _ST_DTYPES[dtype], [t, self.h], esize * t * self.h),
-            (
-                "aux_hidden_states",
-                _ST_DTYPES[dtype],
-                [t, self.k * self.h],
-                esize * t * self.k * self.h,
-            ),
         ]
-        header: dict[str, object] = {"__metadata__": dict(metadata)}
+        if codec == "none":
+            st = _ST_DTYPES[dtype]
+            layout += [
+                ("hidden_states", st, [t, self.h], self.row_bytes[0] * t),
+                ("aux_hidden_states", st, [t, self.k * self.h], self.row_bytes[1] * t),
+            ]
+        elif codec == "fp8":
+            layout += [
+                ("hidden_states", "F8_E4M3", [t, self.h], t * self.h),
+                ("aux_hidden_states", "F8_E4M3", [t, self.k * self.h], t * self.k * self.h),
+                ("hidden_scales", "F32", [t, 1], 4 * t),
+                ("aux_scales", "F32", [t, self.k], 4 * t * self.k),
+            ]
+            self.fp8_error = storage.Fp8Error(self.k + 1)
+        else:
+            self.rows_per_frame = [max(1, storage.FRAME_BYTES // max(1, b)) for b in self.row_bytes]
+            per_record = [
+                [-(-n // self.rows_per_frame[i]) if self.row_bytes[i] else 0 for i in (0, 1)]
+                for n in self.lengths
+            ]
+            self.frame_start = np.zeros(len(self.lengths) + 1, dtype=np.int64)
+            np.cumsum([a + b for a, b in per_record], out=self.frame_start[1:])
+            self.first_aux_frame = [
+                int(self.frame_start[j]) + per_record[j][0] for j in range(len(self.lengths))
+            ]
+            n_frames = int(self.frame_start[-1])
+            self.frame_width = len(storage.FRAME_COLUMNS) + esize
+            layout += [
+                ("frame_start", "I64", [len(self.frame_start)], 8 * len(self.frame_start)),
+                ("frames", "I64", [n_frames, self.frame_width], 8 * n_frames * self.frame_width),
+                ("blob", "U8", [0], 0),
+            ]
+            self.blob = _OrderedBlob(self)
+        self.layout = layout
         self.base: dict[str, int] = {}
         pos = 0
-        for name, st, shape, nbytes in layout:
-            header[name] = {"dtype": st, "shape": shape, "data_offsets": [pos, pos + nbytes]}
+        for name, _, _, nbytes in layout:
             self.base[name] = pos
             pos += nbytes
-        hjson = json.dumps(header, separators=(",", ":")).encode()
-        hjson += b" " * (-len(hjson) % 8)  # data starts 8-byte aligned
-        self.data_start = 8 + len(hjson)
-        self.size = self.data_start + pos
-        self.esize = esize
+        self.fixed_bytes = pos
+        # Room for what only finish() knows: the blob's size, the fp8 error report.
+        slack = {"none": 0, "lossless": 64, "fp8": 256 + 160 * (self.k + 1)}[codec]
+        hjson = self._header(blob_bytes=0)
+        self.header_len = len(hjson) + slack + (-(len(hjson) + slack) % 8)
+        self.data_start = 8 + self.header_len
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.removed_stale = remove_stale_temps(self.path)
         self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            os.ftruncate(self.fd, self.size)
-            os.pwrite(self.fd, len(hjson).to_bytes(8, "little") + hjson, 0)
+            os.ftruncate(self.fd, self.data_start + self.fixed_bytes)
+            self._write_header(hjson)
             self._pwrite("offsets", 0, memoryview(self.offsets).cast("B"))
+            if codec == "lossless":
+                self._pwrite("frame_start", 0, memoryview(self.frame_start).cast("B"))
         except BaseException:
             self.abort()
             raise
         self.written = [False] * len(self.lengths)
 
+    def _header(self, blob_bytes: int) -> bytes:
+        header: dict[str, object] = {"__metadata__": self.metadata}
+        pos = 0
+        for name, st, shape, nbytes in self.layout:
+            if name == "blob":
+                shape, nbytes = [blob_bytes], blob_bytes
+            header[name] = {"dtype": st, "shape": shape, "data_offsets": [pos, pos + nbytes]}
+            pos += nbytes
+        return json.dumps(header, separators=(",", ":")).encode()
+
+    def _write_header(self, hjson: bytes) -> None:
+        if len(hjson) > self.header_len:  # the slack above is generous: a bug if reached
+            raise ChunkFileError(f"{self.path}: header of {len(hjson)} bytes overflows its room")
+        hjson += b" " * (self.header_len - len(hjson))  # safetensors allows space padding
+        os.pwrite(self.fd, self.header_len.to_bytes(8, "little") + hjson, 0)
+
     def _pwrite(self, name: str, at: int, data: memoryview) -> None:
+        self._pwrite_at(self.data_start + self.base[name] + at, data)
+
+    def _pwrite_at(self, pos: int, data: memoryview) -> None:
         # In slices: one pwrite of a whole record (hundreds of MB) runs at a fraction of the
         # page-cache speed that a few-MB pwrite gets (measured: bench/pack.py).
-        pos = self.data_start + self.base[name] + at
+        data = memoryview(data).cast("B")
         while len(data):
             n = os.pwrite(self.fd, data[:_WRITE_SLICE], pos)
             data, pos = data[n:], pos + n
+
+    def _check(self, j: int, input_ids: torch.Tensor, nbytes: tuple[int, int], dtype) -> None:
+        n = self.lengths[j]
+        want = (n * self.row_bytes[0], n * self.row_bytes[1])
+        if input_ids.shape != (n,) or nbytes != want:
+            raise ChunkFileError(
+                f"record {j}: ids {tuple(input_ids.shape)}, hidden {nbytes[0]} bytes, aux "
+                f"{nbytes[1]} bytes do not match length {n}, H={self.h}, k={self.k}, {self.dtype}"
+            )
+        if dtype != self.dtype:
+            raise ChunkFileError(f"record {j}: dtype {dtype} != {self.dtype}")
+        if faults.ACTIVE:  # tests only: a disk that fills up mid-chunk
+            faults.on_chunk_put(self.path)
+
+    def _put_small(self, j: int, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> None:
+        start = int(self.offsets[j])
+        self._pwrite("input_ids", 4 * start, _as_bytes(input_ids.to(torch.int32)))
+        self._pwrite("loss_mask", start, _as_bytes(loss_mask.to(torch.uint8)))
 
     def put(
         self,
@@ -192,25 +310,18 @@ class ChunkWriter:
         hidden: torch.Tensor,
         aux: torch.Tensor,
     ) -> None:
-        n, start = self.lengths[j], int(self.offsets[j])
-        if (
-            input_ids.shape != (n,)
-            or hidden.shape != (n, self.h)
-            or aux.shape != (n, self.k * self.h)
-        ):
+        n = self.lengths[j]
+        if hidden.shape != (n, self.h) or aux.shape != (n, self.k * self.h):
             raise ChunkFileError(
                 f"record {j}: shapes ids {tuple(input_ids.shape)} hidden {tuple(hidden.shape)} "
                 f"aux {tuple(aux.shape)} do not match length {n}, H={self.h}, k={self.k}"
             )
-        if hidden.dtype != self.dtype or aux.dtype != self.dtype:
+        if hidden.dtype != aux.dtype:
             raise ChunkFileError(f"record {j}: dtype {hidden.dtype}/{aux.dtype} != {self.dtype}")
-        if faults.ACTIVE:  # tests only: a disk that fills up mid-chunk
-            faults.on_chunk_put(self.path)
-        self._pwrite("input_ids", 4 * start, _as_bytes(input_ids.to(torch.int32)))
-        self._pwrite("loss_mask", start, _as_bytes(loss_mask.to(torch.uint8)))
-        row = self.esize * self.h
-        self._pwrite("hidden_states", row * start, _as_bytes(hidden))
-        self._pwrite("aux_hidden_states", row * self.k * start, _as_bytes(aux))
+        hb, ab = _as_bytes(hidden), _as_bytes(aux)
+        self._check(j, input_ids, (hb.nbytes, ab.nbytes), hidden.dtype)
+        self._put_small(j, input_ids, loss_mask)
+        self._put_rows(j, _Rows(mem=hb), _Rows(mem=ab))
         self.written[j] = True
 
     def put_files(
@@ -223,22 +334,24 @@ class ChunkWriter:
         dtype: torch.dtype,
     ) -> None:
         """Like ``put``, but the hidden and aux rows are ``(fd, offset, nbytes, name)`` byte
-        ranges of open files, in row order, copied file to file in the kernel (``splice``
-        through a pipe: no user-space copy, no fresh memory).  ``name`` is for errors."""
-        n, start = self.lengths[j], int(self.offsets[j])
-        row = self.esize * self.h
-        got = (sum(r[2] for r in hidden), sum(r[2] for r in aux))
-        if input_ids.shape != (n,) or got != (n * row, n * row * self.k):
-            raise ChunkFileError(
-                f"record {j}: ids {tuple(input_ids.shape)}, hidden {got[0]} bytes, aux "
-                f"{got[1]} bytes do not match length {n}, H={self.h}, k={self.k}, {self.dtype}"
-            )
-        if dtype != self.dtype:
-            raise ChunkFileError(f"record {j}: dtype {dtype} != {self.dtype}")
-        if faults.ACTIVE:  # tests only: a disk that fills up mid-chunk
-            faults.on_chunk_put(self.path)
-        self._pwrite("input_ids", 4 * start, _as_bytes(input_ids.to(torch.int32)))
-        self._pwrite("loss_mask", start, _as_bytes(loss_mask.to(torch.uint8)))
+        ranges of open files, in row order.  Uncompressed, they are copied file to file in
+        the kernel (``splice`` through a pipe: no user-space copy, no fresh memory); with a
+        codec, read a frame at a time and encoded.  ``name`` is for errors."""
+        self._check(j, input_ids, (sum(r[2] for r in hidden), sum(r[2] for r in aux)), dtype)
+        self._put_small(j, input_ids, loss_mask)
+        if self.codec == "none":
+            self._splice_rows(j, hidden, aux)
+        else:
+            self._put_rows(j, _Rows(ranges=hidden), _Rows(ranges=aux))
+        self.written[j] = True
+
+    def _splice_rows(
+        self,
+        j: int,
+        hidden: Sequence[tuple[int, int, int, str]],
+        aux: Sequence[tuple[int, int, int, str]],
+    ) -> None:
+        start = int(self.offsets[j])
         r, w = os.pipe() if hasattr(os, "splice") else (-1, -1)
         try:
             step = 1 << 16  # a pipe's default capacity
@@ -249,8 +362,8 @@ class ChunkWriter:
                 except OSError:  # pipe-max-size below 1 MiB, or the user's pipe quota is full
                     pass
             for name, at, ranges in (
-                ("hidden_states", row * start, hidden),
-                ("aux_hidden_states", row * self.k * start, aux),
+                ("hidden_states", self.row_bytes[0] * start, hidden),
+                ("aux_hidden_states", self.row_bytes[1] * start, aux),
             ):
                 pos = self.data_start + self.base[name] + at
                 for fd, offset, nbytes, src in ranges:
@@ -263,7 +376,47 @@ class ChunkWriter:
             if r >= 0:
                 os.close(r)
                 os.close(w)
-        self.written[j] = True
+
+    def _put_rows(self, j: int, hidden: _Rows, aux: _Rows) -> None:
+        n, start = self.lengths[j], int(self.offsets[j])
+        if self.codec == "none":
+            for name, rows, rb in (
+                ("hidden_states", hidden, self.row_bytes[0]),
+                ("aux_hidden_states", aux, self.row_bytes[1]),
+            ):
+                self._pwrite(name, rb * start, rows.read(n * rb))
+        elif self.codec == "fp8":
+            self._put_fp8(start, n, hidden, aux)
+        else:
+            self._put_lossless(j, n, hidden, aux)
+
+    def _put_fp8(self, start: int, n: int, hidden: _Rows, aux: _Rows) -> None:
+        for tensor, (rows, layers) in enumerate(((hidden, 1), (aux, self.k))):
+            if not layers:
+                continue
+            rb = self.row_bytes[tensor]
+            step = max(1, storage.FRAME_BYTES // rb)
+            name = ("hidden_states", "aux_hidden_states")[tensor]
+            scales = ("hidden_scales", "aux_scales")[tensor]
+            for r0 in range(0, n, step):
+                nr = min(step, n - r0)
+                x = torch.frombuffer(rows.read(nr * rb), dtype=self.dtype).view(nr, layers, self.h)
+                q, scale = storage.fp8_quantize(x, self.fp8_error, layer0=0 if tensor else self.k)
+                self._pwrite(name, (start + r0) * layers * self.h, _as_bytes(q.view(torch.uint8)))
+                self._pwrite(scales, 4 * (start + r0) * layers, _as_bytes(scale))
+
+    def _put_lossless(self, j: int, n: int, hidden: _Rows, aux: _Rows) -> None:
+        frame = int(self.frame_start[j])
+        for tensor, rows in enumerate((hidden, aux)):
+            rb, step = self.row_bytes[tensor], self.rows_per_frame[tensor]
+            if not rb:
+                continue
+            for r0 in range(0, n, step):
+                nr = min(step, n - r0)
+                parts, lengths = storage.compress_frame(rows.read(nr * rb), self.esize)
+                self.blob.add(j, [frame, j, tensor, r0, nr], parts, lengths)
+                frame += 1
+        self.blob.record_done(j)
 
     def finish(self) -> str:
         """fsync, hash and rename into place; returns the sha256. Refuses if a record is missing."""
@@ -271,6 +424,16 @@ class ChunkWriter:
         if missing:
             self.abort()
             raise ChunkFileError(f"{self.path}: records {missing[:10]} never written")
+        if self.codec == "lossless":
+            end = self.blob.close()
+            os.ftruncate(self.fd, self.data_start + self.fixed_bytes + end)
+            self._write_header(self._header(blob_bytes=end))
+        elif self.codec == "fp8":
+            names = [f"aux_{layer}" for layer in json.loads(self.metadata.get("aux_layers", "[]"))]
+            names = (names + [f"aux_{i}" for i in range(len(names), self.k)])[: self.k]
+            report = self.fp8_error.report([*names, "final"])
+            self.metadata["fp8_error"] = json.dumps(report, separators=(",", ":"))
+            self._write_header(self._header(blob_bytes=0))
         # Hash (CPU, from the page cache) while fsync (disk) runs; both release the GIL.
         with ThreadPoolExecutor(max_workers=1) as pool:
             hashing = pool.submit(sha256_file, self.tmp)
@@ -287,14 +450,103 @@ class ChunkWriter:
         return digest
 
     def abort(self) -> None:
+        if self.codec == "lossless":
+            self.blob.close()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
         self.tmp.unlink(missing_ok=True)
 
 
+class _OrderedBlob:
+    """A lossless chunk's compressed frames, laid out in record order whatever order the
+    records arrive in.
+
+    Why: a chunk file must be the same bytes however its requests were scheduled, so a
+    rerun reproduces its sha256.  The record at the head streams its frames straight to
+    the file; frames of later records wait in memory (up to :data:`PENDING_BYTES`, then in
+    a spill file next to the chunk) until every record before them is written.  Records
+    complete roughly in submission order, so the spill is rarely touched.
+    """
+
+    def __init__(self, writer: ChunkWriter) -> None:
+        self.w = writer
+        self.end = 0  # bytes of blob written
+        self.next = 0  # the head: every record before it is in the file
+        self.pending: dict[int, list] = {}
+        self.done: set[int] = set()
+        self.mem = 0
+        self.lock = threading.Lock()
+        self.spill_path = writer.tmp.with_name(writer.tmp.name[: -len(".tmp")] + ".spill.tmp")
+        self.spill_fd, self.spill_end = -1, 0
+
+    def add(self, j: int, entry: list[int], parts: list, lengths: list[int]) -> None:
+        size = sum(abs(x) for x in lengths)
+        with self.lock:
+            if j == self.next:
+                self._write(entry, parts, lengths, size)
+                return
+            if self.mem + size > PENDING_BYTES:
+                if self.spill_fd < 0:
+                    self.spill_fd = os.open(self.spill_path, os.O_RDWR | os.O_CREAT, 0o600)
+                off = self.spill_end
+                for part in parts:
+                    view = memoryview(part).cast("B")
+                    while len(view):
+                        k = os.pwrite(self.spill_fd, view, self.spill_end)
+                        view, self.spill_end = view[k:], self.spill_end + k
+                parts = [("spill", off)]
+            else:
+                self.mem += size
+            self.pending.setdefault(j, []).append((entry, parts, lengths, size))
+
+    def _flush(self, j: int) -> None:
+        for entry, parts, lengths, size in self.pending.pop(j, []):
+            if not isinstance(parts[0], tuple):
+                self.mem -= size
+            self._write(entry, parts, lengths, size)
+
+    def record_done(self, j: int) -> None:
+        with self.lock:
+            self.done.add(j)
+            while self.next in self.done:
+                self.done.discard(self.next)
+                self.next += 1
+                self._flush(self.next)
+
+    def _write(self, entry: list[int], parts: list, lengths: list[int], size: int) -> None:
+        w = self.w
+        pos = w.data_start + w.base["blob"] + self.end
+        if isinstance(parts[0], tuple):  # from the spill file
+            _copy(self.spill_fd, parts[0][1], size, w.fd, pos, str(self.spill_path))
+        else:
+            for part in parts:
+                view = memoryview(part).cast("B")
+                w._pwrite_at(pos, view)
+                pos += len(view)
+        row = np.array([*entry[1:], self.end, *lengths], dtype=np.int64)
+        w._pwrite("frames", 8 * w.frame_width * entry[0], memoryview(row).cast("B"))
+        self.end += size
+
+    def close(self) -> int:
+        if self.spill_fd >= 0:
+            os.close(self.spill_fd)
+            self.spill_fd = -1
+        self.spill_path.unlink(missing_ok=True)
+        return self.end
+
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ST_TO_TORCH = {v: k for k, v in _ST_DTYPES.items()}
+
+
 class ChunkReader:
-    """Records of one chunk file, sliced lazily from an mmap (no whole-file copy)."""
+    """Records of one chunk file, any codec, decoded per record (no whole-file read).
+
+    Uncompressed rows are sliced lazily from safetensors' mmap; lossless frames are
+    decoded from this reader's own read-only mapping; fp8 rows are dequantized to the
+    captured dtype.  Every codec gives the same tensors, dtypes and shapes.
+    """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         from safetensors import safe_open
@@ -305,13 +557,37 @@ class ChunkReader:
         except Exception as exc:
             raise ChunkFileError(f"{self.path}: not a readable safetensors file: {exc}") from exc
         self.metadata: dict[str, str] = self._f.metadata() or {}
+        self.codec = self.metadata.get("codec", "none")
+        if self.codec not in storage.CODECS:
+            raise ChunkFileError(
+                f"{self.path}: codec {self.codec!r} is not one this hsextract reads "
+                f"({', '.join(storage.CODECS)}); upgrade hsextract"
+            )
         keys = set(self._f.keys())
-        need = {"input_ids", "loss_mask", "offsets", "hidden_states", "aux_hidden_states"}
+        need = set(_STORED[self.codec])
         if not need <= keys:
             raise ChunkFileError(f"{self.path}: missing tensors {sorted(need - keys)}")
         self.offsets = self._f.get_tensor("offsets")
         self.record_ids: list[str] = json.loads(self.metadata.get("record_ids", "[]"))
         self.aux_layers: list[int] = json.loads(self.metadata.get("aux_layers", "[]"))
+        self.hidden_size = int(self.metadata.get("hidden_size", -1))
+        if self.codec == "none":
+            self.dtype = _ST_TO_TORCH[self._f.get_slice("hidden_states").get_dtype()]
+        else:
+            self.dtype = _TORCH_DTYPES.get(self.metadata.get("dtype", ""), torch.bfloat16)
+        if self.codec == "lossless":
+            self.frame_start = self._f.get_tensor("frame_start").numpy()
+            self.frames = self._f.get_tensor("frames").numpy()
+            self._blob = self._map_blob()
+
+    def _map_blob(self) -> memoryview:
+        with open(self.path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+            size = os.fstat(f.fileno()).st_size
+            self._mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else b""
+        a, b = header["blob"]["data_offsets"]
+        return memoryview(self._mm)[8 + n + a : 8 + n + b]
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -321,22 +597,100 @@ class ChunkReader:
             raise IndexError(j)
         a, b = int(self.offsets[j]), int(self.offsets[j + 1])
         out: dict[str, torch.Tensor | str] = {
-            name: self._f.get_slice(name)[a:b]
-            for name in ("input_ids", "loss_mask", "hidden_states", "aux_hidden_states")
+            name: self._f.get_slice(name)[a:b] for name in ("input_ids", "loss_mask")
         }
+        out["hidden_states"], out["aux_hidden_states"] = self._rows(j, a, b)
         out["id"] = self.record_ids[j] if j < len(self.record_ids) else str(j)
         return out
+
+    def _rows(self, j: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        h, k = self.hidden_size, len(self.aux_layers)
+        if self.codec == "none":
+            return (
+                self._f.get_slice("hidden_states")[a:b],
+                self._f.get_slice("aux_hidden_states")[a:b],
+            )
+        if self.codec == "fp8":
+            hid = self._f.get_slice("hidden_states")[a:b].view(b - a, 1, h)
+            aux = self._f.get_slice("aux_hidden_states")[a:b].view(b - a, k, h)
+            return (
+                storage.fp8_dequantize(
+                    hid, self._f.get_slice("hidden_scales")[a:b], self.dtype
+                ).view(b - a, h),
+                storage.fp8_dequantize(aux, self._f.get_slice("aux_scales")[a:b], self.dtype).view(
+                    b - a, k * h
+                ),
+            )
+        esize = torch.empty((), dtype=self.dtype).element_size()
+        widths = (h, k * h)
+        bufs = [np.empty((b - a) * w * esize, dtype=np.uint8) for w in widths]
+        ncol = len(storage.FRAME_COLUMNS)
+        for row in self.frames[self.frame_start[j] : self.frame_start[j + 1]]:
+            rec, tensor, r0, nr, at = (int(x) for x in row[:ncol])
+            rb = widths[tensor] * esize
+            if rec != j or r0 + nr > b - a:
+                raise ChunkFileError(f"{self.path}: frame table entry {row.tolist()} is corrupt")
+            try:
+                storage.decompress_frame(
+                    self._blob,
+                    at,
+                    [int(x) for x in row[ncol:]],
+                    nr * rb,
+                    bufs[tensor][r0 * rb : (r0 + nr) * rb],
+                )
+            except Exception as exc:
+                raise ChunkFileError(f"{self.path}: record {j} does not decode: {exc}") from exc
+        return tuple(  # type: ignore[return-value]
+            torch.from_numpy(buf).view(self.dtype).view(b - a, w)
+            if buf.size
+            else torch.empty((b - a, w), dtype=self.dtype)
+            for buf, w in zip(bufs, widths, strict=True)
+        )
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor | str]]:
         for j in range(len(self)):
             yield self[j]
 
     def shapes(self) -> dict[str, tuple[list[int], str]]:
+        """The tensors as stored (a compressed file has no ``hidden_states`` tensor)."""
         out = {}
         for name in self._f.keys():
             sl = self._f.get_slice(name)
             out[name] = (list(sl.get_shape()), str(sl.get_dtype()))
         return out
+
+    def raw_bytes(self) -> int:
+        """What the hidden and aux rows take uncompressed, in the captured dtype."""
+        esize = torch.empty((), dtype=self.dtype).element_size()
+        return int(self.offsets[-1]) * self.hidden_size * (len(self.aux_layers) + 1) * esize
+
+    def stored_bytes(self) -> int:
+        names = {
+            "none": ("hidden_states", "aux_hidden_states"),
+            "fp8": ("hidden_states", "aux_hidden_states", "hidden_scales", "aux_scales"),
+            "lossless": ("frames", "blob"),
+        }[self.codec]
+        total = 0
+        for name in names:
+            shape, dtype = self.shapes()[name]
+            total += int(np.prod(shape)) * _ST_SIZE[dtype]
+        return total
+
+
+_ST_SIZE = {"F32": 4, "BF16": 2, "F16": 2, "I32": 4, "I64": 8, "U8": 1, "F8_E4M3": 1}
+_STORED = {
+    "none": ("input_ids", "loss_mask", "offsets", "hidden_states", "aux_hidden_states"),
+    "fp8": (
+        "input_ids",
+        "loss_mask",
+        "offsets",
+        "hidden_states",
+        "aux_hidden_states",
+        "hidden_scales",
+        "aux_scales",
+    ),
+    "lossless": ("input_ids", "loss_mask", "offsets", "frame_start", "frames", "blob"),
+}
 
 
 class ManifestDataset(torch.utils.data.Dataset):
@@ -358,23 +712,32 @@ class ManifestDataset(torch.utils.data.Dataset):
 
 
 def check_chunk(path: str | os.PathLike[str], expect_records: int | None = None) -> dict:
-    """Structural check of a finished chunk file: tensors, shapes, offsets, metadata."""
+    """Structural check of a finished chunk file: tensors, shapes, offsets, metadata, and
+    for a lossless file its frame table (every row of every record covered, once)."""
     r = ChunkReader(path)
     shapes = r.shapes()
     t = int(r.offsets[-1])
-    h = int(r.metadata.get("hidden_size", -1))
+    h = r.hidden_size
     k = len(r.aux_layers)
+    n = len(r)
     problems = []
     if shapes["input_ids"][0] != [t] or shapes["loss_mask"][0] != [t]:
         problems.append(f"ids/mask length != offsets[-1]={t}")
-    if shapes["hidden_states"][0] != [t, h]:
-        problems.append(f"hidden_states {shapes['hidden_states'][0]} != [{t}, {h}]")
-    if shapes["aux_hidden_states"][0] != [t, k * h]:
-        problems.append(f"aux_hidden_states {shapes['aux_hidden_states'][0]} != [{t}, {k * h}]")
-    if len(r.record_ids) != len(r):
-        problems.append(f"{len(r.record_ids)} record_ids for {len(r)} records")
-    if expect_records is not None and len(r) != expect_records:
-        problems.append(f"{len(r)} records, expected {expect_records}")
+    if r.codec in ("none", "fp8"):
+        if shapes["hidden_states"][0] != [t, h]:
+            problems.append(f"hidden_states {shapes['hidden_states'][0]} != [{t}, {h}]")
+        if shapes["aux_hidden_states"][0] != [t, k * h]:
+            problems.append(f"aux_hidden_states {shapes['aux_hidden_states'][0]} != [{t}, {k * h}]")
+    if r.codec == "fp8" and (
+        shapes["hidden_scales"][0] != [t, 1] or shapes["aux_scales"][0] != [t, k]
+    ):
+        problems.append(f"scales {shapes['hidden_scales'][0]}/{shapes['aux_scales'][0]}")
+    if r.codec == "lossless":
+        problems += _frame_problems(r, t, n)
+    if len(r.record_ids) != n:
+        problems.append(f"{len(r.record_ids)} record_ids for {n} records")
+    if expect_records is not None and n != expect_records:
+        problems.append(f"{n} records, expected {expect_records}")
     if bool((r.offsets[1:] < r.offsets[:-1]).any()) or int(r.offsets[0]) != 0:
         problems.append("offsets not monotone from 0")
     for key in ("record_ids", "aux_layers", "hidden_size", "model", "fingerprint", "engine"):
@@ -382,7 +745,40 @@ def check_chunk(path: str | os.PathLike[str], expect_records: int | None = None)
             problems.append(f"metadata {key!r} missing")
     if problems:
         raise ChunkFileError(f"{path}: " + "; ".join(problems))
-    return {"records": len(r), "tokens": t, "hidden_size": h, "aux_layers": r.aux_layers}
+    return {
+        "records": n,
+        "tokens": t,
+        "hidden_size": h,
+        "aux_layers": r.aux_layers,
+        "codec": r.codec,
+        "raw_bytes": r.raw_bytes(),
+        "stored_bytes": r.stored_bytes(),
+    }
+
+
+def _frame_problems(r: ChunkReader, t: int, n: int) -> list[str]:
+    """Each record's rows, for each tensor, tiled by its frames in order; each frame's
+    planes inside the blob.  (Decoding is what proves the bytes: ``hsextract verify``.)"""
+    fs, frames = r.frame_start, r.frames
+    ncol = len(storage.FRAME_COLUMNS)
+    if len(fs) != n + 1 or int(fs[0]) != 0 or int(fs[-1]) != len(frames):
+        return [f"frame_start {len(fs)} entries, {len(frames)} frames, for {n} records"]
+    lens = np.diff(r.offsets.numpy())
+    blob = len(r._blob)
+    for j in range(n):
+        rows = {0: 0, 1: 0}
+        for row in frames[fs[j] : fs[j + 1]]:
+            rec, tensor, r0, nr, at = (int(x) for x in row[:ncol])
+            size = int(np.abs(row[ncol:]).sum())
+            if rec != j or tensor not in rows or r0 != rows[tensor] or nr <= 0:
+                return [f"record {j}: frame {row[:ncol].tolist()} out of order"]
+            if at < 0 or at + size > blob:
+                return [f"record {j}: frame at {at}+{size} outside the {blob}-byte blob"]
+            rows[tensor] += nr
+        want = {0: int(lens[j]), 1: int(lens[j]) if r.aux_layers else 0}
+        if rows != want:
+            return [f"record {j}: frames cover {rows} rows of (hidden, aux), expected {want}"]
+    return []
 
 
 def content_digest_of(path: str | os.PathLike[str]) -> str:
@@ -411,13 +807,32 @@ def content_digest_of(path: str | os.PathLike[str]) -> str:
 def inspect_text(path: str | os.PathLike[str]) -> str:
     r = ChunkReader(path)
     lines = [f"{path}", f"  records: {len(r)}  tokens: {int(r.offsets[-1])}"]
+    raw, stored = r.raw_bytes(), r.stored_bytes()
+    ratio = f"{raw / stored:.3f}x smaller" if stored else "empty"
+    lines.append(
+        f"  codec: {r.codec}  states {raw / 2**20:.2f} MiB as {r.dtype}, stored "
+        f"{stored / 2**20:.2f} MiB ({ratio})"
+    )
+    t, h, k = int(r.offsets[-1]), r.hidden_size, len(r.aux_layers)
+    lines.append(
+        f"  records read as: hidden_states {r.dtype} [{t}, {h}], "
+        f"aux_hidden_states {r.dtype} [{t}, {k * h}]"
+    )
+    lines.append("  stored tensors:")
     for name, (shape, dtype) in sorted(r.shapes().items()):
-        lines.append(f"  {name:<18} {dtype:<5} {shape}")
+        lines.append(f"    {name:<18} {dtype:<7} {shape}")
+    if r.codec == "fp8" and "fp8_error" in r.metadata:
+        lines.append(f"  fp8 error against the captured {r.dtype} states, per layer:")
+        lines.append(f"    {'layer':<10} {'rel_rms':>10} {'max_abs':>10}")
+        for layer, e in json.loads(r.metadata["fp8_error"]).items():
+            lines.append(f"    {layer:<10} {e['rel_rms']:>10.5f} {e['max_abs']:>10.4g}")
     for key, value in sorted(r.metadata.items()):
         if key == "record_ids":
             ids = json.loads(value)
             value = json.dumps(ids[:5])[:-1] + (
                 f", ... ({len(ids)} total)]" if len(ids) > 5 else "]"
             )
+        if key == "fp8_error":
+            continue
         lines.append(f"  {key}: {value}")
     return "\n".join(lines)

@@ -525,7 +525,7 @@ def extract_chunk(
     from hsextract import __version__
     from hsextract.budget import SharedByteBudget
     from hsextract.chunks import ChunkWriter, check_chunk
-    from hsextract.config import fingerprint
+    from hsextract.config import fingerprint, storage_codec
     from hsextract.records import Record, index_entry, load_chunk, records_digest
 
     name = Path(chunk_path).stem
@@ -572,7 +572,6 @@ def extract_chunk(
         "model": str(cfg["model"]["path"]),
         "fingerprint": fp,
         "engine": cfg["engine"],
-        "format_version": "1",
         "dtype": cfg["model"]["dtype"],
         "chunk": name,
         "content_digest": digest,
@@ -585,6 +584,7 @@ def extract_chunk(
             n_aux=len(geo.aux_layers),
             dtype=geo.dtype,
             metadata=meta,
+            codec=storage_codec(cfg),
         )
     except OSError as exc:
         raise _write_error(name, out_path, exc) from exc
@@ -650,6 +650,9 @@ def extract_chunk(
         "records": check["records"],
         "tokens": check["tokens"],
         "bytes": os.path.getsize(out_path),
+        "codec": check["codec"],
+        "states_raw_bytes": check["raw_bytes"],
+        "states_stored_bytes": check["stored_bytes"],
         "sha256": sha,
         "seconds": round(seconds, 3),
         "tokens_per_s": round(total_tokens / seconds, 1) if seconds > 0 else math.inf,

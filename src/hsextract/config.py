@@ -159,13 +159,25 @@ def fingerprint_payload(cfg: dict) -> dict:
     (chunked prefill, batching, SGLang flags: the launch spec, recorded per chunk), and
     the hsextract version (an upgrade alone must not orphan a multi-TB run).
     """
-    return {
+    payload = {
         "model": model_identity(cfg),
         "aux_layers": cfg.get("aux_layers"),
         "convention": CAPTURE_CONVENTION,
         "format_version": FORMAT_VERSION,
         "engine": cfg["engine"],
     }
+    # The codec changes the bytes (fp8 the numbers too), so a run with another one is
+    # another run dir; "none" is the v1 layout and leaves the fingerprint as it was, so a
+    # run from before codecs existed stays valid.
+    codec = storage_codec(cfg)
+    if codec != "none":
+        payload["storage_codec"] = codec
+    return payload
+
+
+def storage_codec(cfg: dict) -> str:
+    """The chunk codec (a config without ``storage``, as written before codecs, is none)."""
+    return str((cfg.get("storage") or {}).get("codec", "none"))
 
 
 def fingerprint(cfg: dict) -> str:

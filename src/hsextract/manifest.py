@@ -25,7 +25,7 @@ from hsextract.chunks import (
     content_digest_of,
     sha256_file,
 )
-from hsextract.config import fingerprint, public_config
+from hsextract.config import fingerprint, public_config, storage_codec
 from hsextract.errors import HsextractError
 from hsextract.records import content_digest, read_index, record_digest
 from hsextract.server import write_json
@@ -64,6 +64,7 @@ def build_manifest(sidecars: list[Path], *, stats: Path, index: Path, out: Path,
             "rerun `snakemake -j1 extract_all` (the split reruns, changed chunks re-extract)"
         )
     fp = fingerprint(cfg)
+    codec = storage_codec(cfg)
     chunks = []
     for sc in sidecars:
         meta = json.loads(Path(sc).read_text())
@@ -78,7 +79,7 @@ def build_manifest(sidecars: list[Path], *, stats: Path, index: Path, out: Path,
                 f"{meta['bytes']}: the file changed after extraction; {_redo(path)}"
             )
         try:
-            check_chunk(path, expect_records=meta["records"])
+            info = check_chunk(path, expect_records=meta["records"])
         except ChunkFileError as exc:
             raise ManifestError(f"chunk {name}: {exc}; {_redo(path)}") from exc
         entry = entries.get(name)
@@ -97,6 +98,8 @@ def build_manifest(sidecars: list[Path], *, stats: Path, index: Path, out: Path,
             )
         elif meta["records"] != entry["records"]:
             problem = f"{meta['records']} records, the index says {entry['records']}"
+        elif info["codec"] != codec:  # never mix fp8 (lossy) with exact chunks silently
+            problem = f"it is stored with codec {info['codec']}, storage.codec is {codec}"
         if problem:
             raise ManifestError(f"chunk {name}: {problem}; {_redo(path)}")
         chunks.append(
@@ -108,6 +111,8 @@ def build_manifest(sidecars: list[Path], *, stats: Path, index: Path, out: Path,
                 "records": meta["records"],
                 "tokens": meta["tokens"],
                 "bytes": size,
+                "codec": info["codec"],
+                "states_raw_bytes": info["raw_bytes"],
             }
         )
     first = json.loads(Path(sidecars[0]).read_text()) if sidecars else {}
@@ -119,11 +124,13 @@ def build_manifest(sidecars: list[Path], *, stats: Path, index: Path, out: Path,
         "model": cfg["model"]["path"],
         "aux_layers": first.get("aux_layers"),
         "max_seq_len": cfg["max_seq_len"],
+        "codec": codec,
         "totals": {
             "chunks": len(chunks),
             "records": sum(c["records"] for c in chunks),
             "tokens": sum(c["tokens"] for c in chunks),
             "bytes": sum(c["bytes"] for c in chunks),
+            "states_raw_bytes": sum(c["states_raw_bytes"] for c in chunks),
         },
         "merge_stats": str(Path(stats).relative_to(root))
         if Path(stats).is_relative_to(root)
@@ -224,4 +231,21 @@ def verify_manifest(path: Path) -> list[str]:
                 f"ones {index_path} assigns it ({entry['content_digest'][:12]}...): stale; "
                 f"{_redo(f)}"
             )
+            continue
+        problems += _decode_problems(f, name)
     return problems
+
+
+def _decode_problems(f: Path, name: str) -> list[str]:
+    """A compressed chunk's frames all decode (the sha256 proves the bytes, not that the
+    writer framed them right); an uncompressed one has nothing to decode."""
+    try:
+        reader = ChunkReader(f)
+        if reader.codec == "none":
+            return []
+        check_chunk(f)
+        for j in range(len(reader)):
+            reader[j]
+    except (ChunkFileError, OSError, ValueError) as exc:
+        return [f"chunk {name}: {f}: does not decode ({exc}); {_redo(f)}"]
+    return []

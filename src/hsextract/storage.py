@@ -1,0 +1,189 @@
+"""How a chunk file stores its hidden-state rows: ``storage.codec`` = none | lossless | fp8.
+
+* ``none``: the raw rows, the v1 layout (readers slice them straight from an mmap).
+* ``lossless``: each record's rows cut into frames of about :data:`FRAME_BYTES`, each
+  frame's elements split into byte planes (byte *i* of every element, contiguous) and
+  each plane compressed with zstd -- or stored as it is when zstd does not gain, which is
+  the case for bf16's low byte (seven mantissa bits and one exponent bit: noise).  A
+  record decodes from its own frames only, so random access is kept.  Why this and not
+  blosc2's shuffle + zstd, which gives the same ratio: blosc2 always runs the codec over
+  the mantissa stream too, ~40 % of its time for nothing (``bench/codec.py`` measures
+  both in one run); the plane split is one numpy copy, the compression is the zstandard
+  library.
+* ``fp8``: float8 e4m3 with one scale per token per layer (``amax / 448``), the scheme
+  vLLM speculators stores; lossy, half the bytes of bf16.  The writer measures the error
+  against the captured states per layer and records it in the file.
+
+Everything here is pure: bytes in, bytes out, no file handling (that is ``chunks``).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+CODECS = ("none", "lossless", "fp8")
+#: Raw bytes per lossless frame (rows are never split; a frame holds at least one row).
+FRAME_BYTES = 4 << 20
+#: A plane is stored compressed only if zstd makes it at least this much smaller.
+KEEP_IF_BELOW = 0.98
+#: zstd's fast strategy with a small hash table: on bf16 exponent planes it compresses as
+#: well as level 1 (within 0.1 bit per byte, both near the plane's order-0 entropy) at
+#: ~1.5x its speed (bench/codec.py prints both).  Frames are self-describing, so a reader
+#: needs none of this.
+ZSTD_PARAMS = {
+    "window_log": 17,
+    "hash_log": 10,
+    "chain_log": 10,
+    "search_log": 1,
+    "min_match": 7,
+    "target_length": 0,
+    "strategy": "fast",
+}
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+#: Columns of the lossless frame table before the per-plane lengths.
+FRAME_COLUMNS = ("record", "tensor", "row0", "nrows", "offset")
+
+_local = threading.local()  # zstd contexts are not thread-safe: one per thread
+
+
+def _compressor():
+    c = getattr(_local, "cctx", None)
+    if c is None:
+        import zstandard
+
+        params = dict(ZSTD_PARAMS)
+        params["strategy"] = getattr(zstandard, "STRATEGY_" + params["strategy"].upper())
+        # The frame checksum (xxhash64) makes a damaged plane fail to decode instead of
+        # decoding to wrong numbers; it costs ~1 % of compression time.
+        params["write_checksum"] = True
+        c = _local.cctx = zstandard.ZstdCompressor(
+            compression_params=zstandard.ZstdCompressionParameters(**params)
+        )
+    return c
+
+
+def _decompressor():
+    d = getattr(_local, "dctx", None)
+    if d is None:
+        import zstandard
+
+        d = _local.dctx = zstandard.ZstdDecompressor()
+    return d
+
+
+def codec_params(codec: str) -> dict:
+    """What a file records about how it was encoded (for people: decoding needs none)."""
+    if codec == "lossless":
+        import zstandard
+
+        return {
+            "planes": "byte",
+            "library": f"zstandard {zstandard.__version__}",
+            "zstd": ZSTD_PARAMS,
+            "frame_bytes": FRAME_BYTES,
+            "keep_if_below": KEEP_IF_BELOW,
+        }
+    if codec == "fp8":
+        return {"dtype": "float8_e4m3fn", "scale": "per token per layer, amax/448"}
+    return {}
+
+
+def compress_frame(data: memoryview | np.ndarray, esize: int) -> tuple[list, list[int]]:
+    """Encode one frame: the planes' bytes and their lengths (negative: stored raw)."""
+    u = np.frombuffer(data, dtype=np.uint8)
+    if esize > 1:
+        u = u.reshape(-1, esize)
+    cctx = _compressor()
+    parts: list = []
+    lengths: list[int] = []
+    for p in range(esize):
+        plane = np.ascontiguousarray(u[:, p]) if esize > 1 else u
+        packed = cctx.compress(plane)
+        if len(packed) < KEEP_IF_BELOW * plane.nbytes:
+            parts.append(packed)
+            lengths.append(len(packed))
+        else:
+            parts.append(plane)
+            lengths.append(-plane.nbytes)
+    return parts, lengths
+
+
+def decompress_frame(
+    blob: memoryview, offset: int, lengths: list[int], nbytes: int, out: np.ndarray
+) -> None:
+    """Decode one frame from ``blob[offset:]`` into ``out`` (uint8, ``nbytes`` long)."""
+    esize = len(lengths)
+    if out.nbytes != nbytes or nbytes % esize:
+        raise ValueError(f"frame of {nbytes} bytes cannot fill {out.nbytes} as {esize} planes")
+    view = out.reshape(-1, esize)
+    n = nbytes // esize
+    dctx = _decompressor()
+    pos = offset
+    for p, length in enumerate(lengths):
+        if length < 0:
+            plane = np.frombuffer(blob[pos : pos - length], dtype=np.uint8)
+            pos -= length
+        else:
+            plane = np.frombuffer(
+                dctx.decompress(blob[pos : pos + length], max_output_size=n), dtype=np.uint8
+            )
+            pos += length
+        if plane.nbytes != n:
+            raise ValueError(f"plane {p} decodes to {plane.nbytes} bytes, expected {n}")
+        view[:, p] = plane
+
+
+@dataclass
+class Fp8Error:
+    """Running error of fp8 against the captured states, one slot per layer."""
+
+    n_layers: int
+
+    def __post_init__(self) -> None:
+        self.sq_err = np.zeros(self.n_layers)
+        self.sq_ref = np.zeros(self.n_layers)
+        self.max_abs = np.zeros(self.n_layers)
+        self.count = np.zeros(self.n_layers, dtype=np.int64)
+        self._lock = threading.Lock()
+
+    def add(self, layer0: int, sq_err, sq_ref, max_abs, count: int) -> None:
+        with self._lock:
+            sl = slice(layer0, layer0 + len(sq_err))
+            self.sq_err[sl] += sq_err
+            self.sq_ref[sl] += sq_ref
+            np.maximum(self.max_abs[sl], max_abs, out=self.max_abs[sl])
+            self.count[sl] += count
+
+    def report(self, names: list[str]) -> dict[str, dict[str, float]]:
+        out = {}
+        for i, name in enumerate(names):
+            rel = float(np.sqrt(self.sq_err[i] / self.sq_ref[i])) if self.sq_ref[i] > 0 else 0.0
+            out[name] = {"rel_rms": rel, "max_abs": float(self.max_abs[i])}
+        return out
+
+
+def fp8_quantize(x: torch.Tensor, err: Fp8Error | None = None, layer0: int = 0):
+    """``x`` [rows, L, H] -> (float8 e4m3 [rows, L, H], float32 scales [rows, L])."""
+    x32 = x.to(torch.float32)
+    amax = x32.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (x32 / scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    if err is not None:
+        diff = q.to(torch.float32) * scale.unsqueeze(-1) - x32
+        err.add(
+            layer0,
+            diff.square().sum(dim=(0, 2)).double().numpy(),
+            x32.square().sum(dim=(0, 2)).double().numpy(),
+            diff.abs().amax(dim=(0, 2)).double().numpy() if x.shape[0] else 0.0,
+            int(x.shape[0] * x.shape[2]),
+        )
+    return q, scale
+
+
+def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`fp8_quantize` (up to its error), in the file's captured dtype."""
+    return (q.to(torch.float32) * scale.to(torch.float32).unsqueeze(-1)).to(dtype)
