@@ -87,12 +87,36 @@ def test_frame_round_trip_is_bit_exact(case):
     assert out.tobytes() == raw
 
 
+def _round_trip(raw: bytes, esize: int) -> tuple[bytes, list[int]]:
+    parts, lengths = storage.compress_frame(memoryview(raw), esize)
+    blob = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+    out = np.empty(len(raw), dtype=np.uint8)
+    storage.decompress_frame(memoryview(blob), 0, lengths, len(raw), out)
+    return out.tobytes(), lengths
+
+
 def test_noise_plane_is_stored_and_exponent_plane_compressed():
     """bf16 of normal data: the low byte (mantissa) is stored raw, the high byte packed."""
-    x = torch.randn(4096, 256).to(torch.bfloat16)
-    parts, lengths = storage.compress_frame(memoryview(x.view(torch.int16).numpy()).cast("B"), 2)
-    assert lengths[0] < 0, "the mantissa plane should be stored, zstd cannot shrink noise"
+    x = torch.randn(4096, 256).to(torch.bfloat16)  # planes of 1 MiB: the probe decides
+    raw = x.view(torch.int16).numpy().tobytes()
+    back, lengths = _round_trip(raw, 2)
+    assert back == raw
+    assert lengths[0] == -x.numel(), "the mantissa plane should be stored, zstd cannot shrink noise"
     assert 0 < lengths[1] < 0.6 * x.numel(), lengths
+
+
+def test_a_plane_misjudged_by_the_probe_is_still_exact():
+    """Noise in the first 64 KiB, zeros after: stored raw (size lost, bytes kept); a plane
+    that is compressible from its start is compressed."""
+    n = 4 * storage.PROBE_BYTES
+    rng = np.random.default_rng(0)
+    lo = np.zeros(n, dtype=np.uint8)
+    lo[: storage.PROBE_BYTES] = rng.integers(0, 256, storage.PROBE_BYTES)
+    hi = np.full(n, 0x3F, dtype=np.uint8)
+    raw = np.stack([lo, hi], axis=1).tobytes()
+    back, lengths = _round_trip(raw, 2)
+    assert back == raw
+    assert lengths[0] == -n and 0 < lengths[1] < n // 100
 
 
 def write_chunk(path, lengths, h, k, dtype, codec, seed=0, via_files=False, tmp=None, order=None):

@@ -19,6 +19,7 @@ Everything here is pure: bytes in, bytes out, no file handling (that is ``chunks
 
 from __future__ import annotations
 
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -30,6 +31,8 @@ CODECS = ("none", "lossless", "fp8")
 FRAME_BYTES = 4 << 20
 #: A plane is stored compressed only if zstd makes it at least this much smaller.
 KEEP_IF_BELOW = 0.98
+#: Bytes of a plane compressed first to tell noise from data (see compress_frame).
+PROBE_BYTES = 64 << 10
 #: zstd's fast strategy with a small hash table: on bf16 exponent planes it compresses as
 #: well as level 1 (within 0.1 bit per byte, both near the plane's order-0 entropy) at
 #: ~1.5x its speed (bench/codec.py prints both).  Frames are self-describing, so a reader
@@ -86,6 +89,7 @@ def codec_params(codec: str) -> dict:
             "zstd": ZSTD_PARAMS,
             "frame_bytes": FRAME_BYTES,
             "keep_if_below": KEEP_IF_BELOW,
+            "probe_bytes": PROBE_BYTES,
         }
     if codec == "fp8":
         return {"dtype": "float8_e4m3fn", "scale": "per token per layer, amax/448"}
@@ -95,21 +99,30 @@ def codec_params(codec: str) -> dict:
 def compress_frame(data: memoryview | np.ndarray, esize: int) -> tuple[list, list[int]]:
     """Encode one frame: the planes' bytes and their lengths (negative: stored raw)."""
     u = np.frombuffer(data, dtype=np.uint8)
-    if esize > 1:
-        u = u.reshape(-1, esize)
+    # One transposed copy splits all planes (measured 3.5 GB/s; a strided copy per plane
+    # runs at half that).
+    planes = u.reshape(-1, esize).T.copy() if esize > 1 else u[None]
     cctx = _compressor()
     parts: list = []
     lengths: list[int] = []
-    for p in range(esize):
-        plane = np.ascontiguousarray(u[:, p]) if esize > 1 else u
-        packed = cctx.compress(plane)
-        if len(packed) < KEEP_IF_BELOW * plane.nbytes:
+    for plane in planes:
+        # A plane whose first 64 KiB do not shrink is noise (bf16's mantissa byte): store it
+        # without running zstd over all of it.  A misjudged plane costs size, never bytes.
+        n = plane.nbytes
+        probe = n > 2 * PROBE_BYTES and (
+            len(cctx.compress(plane[:PROBE_BYTES])) >= KEEP_IF_BELOW * PROBE_BYTES
+        )
+        packed = None if probe else cctx.compress(plane)
+        if packed is not None and len(packed) < KEEP_IF_BELOW * n:
             parts.append(packed)
             lengths.append(len(packed))
         else:
             parts.append(plane)
-            lengths.append(-plane.nbytes)
+            lengths.append(-n)
     return parts, lengths
+
+
+_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def decompress_frame(
@@ -119,9 +132,9 @@ def decompress_frame(
     esize = len(lengths)
     if out.nbytes != nbytes or nbytes % esize:
         raise ValueError(f"frame of {nbytes} bytes cannot fill {out.nbytes} as {esize} planes")
-    view = out.reshape(-1, esize)
     n = nbytes // esize
     dctx = _decompressor()
+    planes = []
     pos = offset
     for p, length in enumerate(lengths):
         if length < 0:
@@ -134,7 +147,17 @@ def decompress_frame(
             pos += length
         if plane.nbytes != n:
             raise ValueError(f"plane {p} decodes to {plane.nbytes} bytes, expected {n}")
-        view[:, p] = plane
+        planes.append(plane)
+    if esize == 1:
+        out[:] = planes[0]
+    elif sys.byteorder == "little":
+        # Interleave by shifts on whole elements: 2.4x faster than strided byte stores.
+        word = out.view(_UINT[esize])
+        np.left_shift(planes[-1], 8 * (esize - 1), out=word, dtype=word.dtype)
+        for p in range(esize - 1):
+            word |= np.left_shift(planes[p], 8 * p, dtype=word.dtype) if p else planes[p]
+    else:
+        out.reshape(-1, esize)[:] = np.stack(planes, axis=1)
 
 
 @dataclass
