@@ -10,17 +10,33 @@ min_version("9.0")
 configfile: "config.yaml"
 
 
+report: "report/workflow.rst"
+
+
 include: "rules/common.smk"
 include: "rules/demo.smk"
 include: "rules/data.smk"
 include: "rules/server.smk"
 include: "rules/extract.smk"
+include: "rules/report.smk"
+include: "rules/export.smk"
 
 
+# On a cluster (profiles/slurm) every stage but extract_chunk runs on the head node:
+# they read and write the shared run dir and need no GPU (the demo's rules: demo.smk).
 localrules:
     extract_all,
+    merge_and_shuffle,
+    split_chunks,
     chunk_index,
+    delete_stale_states,
+    preflight_budget,
+    apply_patch,
+    gpu_gate,
+    launch_server,
     plan_chunks,
+    manifest,
+    report_figures,  # reads state files only; a CPU allocation for it is a queue wait
 
 
 # The chunk files are listed here, not only through the manifest (which reads their
@@ -34,6 +50,10 @@ rule extract_all:
         hidden=expand(run_path("hidden/chunk_{chunk}.safetensors"), chunk=CHUNK_IDS),
         manifest=run_path("manifest.json"),
         settings=settings_files(),
+        # Plain paths, not the rule reference itself: a `rules.X.output` input makes Snakemake
+        # hash this rule's whole input list once per input (rules.py, expand_input), which
+        # made `snakemake -n` quadratic: 355 s vs 38 s bare at 51,200 chunks (bench/README).
+        report=[str(f) for f in rules.report_figures.output],
     default_target: True
 
 

@@ -59,6 +59,8 @@ WORKFLOW=(snakemake==9.27.1 snakemake-interface-common==1.23.0
 # connection_pool 0.0.3 is published as an sdist only: build its (pure-Python) wheel here.
 ls "$W"/workflow/connection_pool-0.0.3-*.whl >/dev/null 2>&1 ||
   "$PY" -m pip wheel -q --no-deps -w "$W/workflow" connection_pool==0.0.3
+# zstandard (the lossless chunk codec) is compiled: the image has none, SGLang's site neither.
+"$PY" -m pip download -q --no-deps "${PLAT[@]}" -d "$W/workflow" zstandard==0.25.0
 rm -f "$D"/wheels/*.whl
 cp "$W"/workflow/*.whl "$D/wheels/"
 du -sh "$D"/site.tar.xz "$D"/wheels

@@ -15,7 +15,15 @@ from hsextract.config import (
     launch_settings,
     run_dir,
 )
-from hsextract.server import OWNER_ENV, pid_alive, remove_dump_dir_if_empty, stop_live
+from hsextract.server import (
+    OWNER_ENV,
+    OWNER_SCOPE_ENV,
+    forget_finished_jobs,
+    host_key,
+    inherited_owner,
+    remove_dump_dir_if_empty,
+    stop_live,
+)
 from hsextract.records import ASSIGNMENT
 from hsextract.stale import hold_run_lock, preview
 
@@ -29,10 +37,23 @@ CHUNK_IDS = [f"{i:05d}" for i in range(config["n_chunks"])]
 MODEL_DIR = Path(config["model"]["path"])
 
 # Servers started by this workflow are owned by this process: the watchdog stops them
-# when it exits.  Jobs inherit the variable; a nested Snakemake keeps its parent's owner.
-MAIN = not pid_alive(os.environ.get(OWNER_ENV))
+# when it exits.  Jobs inherit the variable; a nested Snakemake keeps its parent's owner,
+# but not across hosts or SLURM jobs (server.host_key): there the Snakemake running the
+# job (for a group, the one running all its chunks) owns the node's server.
+MAIN = inherited_owner() is None
 if MAIN:
     os.environ[OWNER_ENV] = str(os.getpid())
+    os.environ[OWNER_SCOPE_ENV] = host_key()
+
+
+def per_node_servers(wildcards=None):
+    """True when chunk jobs run on other machines (``--executor slurm``, any remote
+    executor): then the head node checks no GPU and starts no server (gpu_gate and
+    launch_server record that); each node allocation gates its GPUs and starts its own
+    server when its first chunk job calls ensure().  Known once the executor is, so a
+    params function, evaluated when the jobs are built."""
+    plugin = workflow.executor_plugin
+    return bool(plugin is not None and plugin.common_settings.non_local_exec)
 
 
 def run_path(*parts):
@@ -154,4 +175,15 @@ def hold_run():
 def stop_servers():
     if stop_live(RUN / "state"):
         print(f"hsextract: stopped the extraction server of {RUN}")
+    forget_finished_jobs(RUN / "state")  # servers of SLURM jobs died with their job
     remove_dump_dir_if_empty(dump_dir(config))
+
+
+def speculators_prenorm(wildcards):
+    """export_speculators_chunk's chunk file, or a plan-time error without prenorm_final."""
+    if not config.get("prenorm_final"):
+        raise ValueError(
+            "export_speculators needs the pre-norm final state: set prenorm_final: true "
+            "(a new run dir; the current one is kept) and run the target again"
+        )
+    return run_path("hidden/chunk_{chunk}.safetensors".format(**wildcards))

@@ -4,6 +4,7 @@
 if config["demo"]["enabled"]:
 
     rule demo_data:
+        localrule: True
         output:
             shards=demo_shards(),
             settings=DEMO_DATA_SETTINGS_FILE,
@@ -20,6 +21,7 @@ if config["demo"]["enabled"]:
             "../scripts/demo_data.py"
 
     rule demo_model:
+        localrule: True
         output:
             config=model_config_file(),
             weights=str(MODEL_DIR / "model.safetensors"),

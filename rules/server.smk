@@ -22,6 +22,8 @@ rule gpu_gate:
         run_path("logs/gpu_gate.log"),
     benchmark:
         run_path("benchmarks/gpu_gate.tsv")
+    params:
+        per_node=per_node_servers,
     conda:
         "../envs/hsextract.yaml"
     script:
@@ -33,6 +35,8 @@ rule gpu_gate:
 # It starts only when some chunk needs extracting (see steps.launch_server).  The launch
 # settings name one of its outputs, so a changed chunked-prefill size or SGLang flag
 # reruns it and the next server uses it; finished chunks are kept (the plan decides).
+# On a cluster (per_node, common.smk) it runs on the head node and only records the spec:
+# every node allocation starts its own server (README, "Beyond one node").
 rule launch_server:
     input:
         gate=run_path("state/gpu_gate.json"),
@@ -47,6 +51,7 @@ rule launch_server:
         run_path("benchmarks/launch_server.tsv")
     params:
         settings=LAUNCH_SETTINGS,
+        per_node=per_node_servers,
     conda:
         "../envs/hsextract.yaml"
     script:

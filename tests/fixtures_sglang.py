@@ -138,6 +138,15 @@ class StandInLayer:
         return hidden_states, None
 
 
+class _PlainNorm(nn.Module):
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__()
+        self.w = w
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
+
+
 class StandInModel(nn.Module):
     """The attributes DeepseekV2Model.forward reads, on a few tiny layers."""
 
@@ -145,7 +154,7 @@ class StandInModel(nn.Module):
         super().__init__()
         g = torch.Generator().manual_seed(0)
         self.embed = torch.randn(vocab, hidden, generator=g)
-        self.norm_w = torch.rand(hidden, generator=g) + 0.5
+        self.norm = _PlainNorm(torch.rand(hidden, generator=g) + 0.5)  # a module: hookable
         self.config = SimpleNamespace(num_hidden_layers=num_layers)
         self.start_layer, self.end_layer = 0, num_layers
         self.layers = [StandInLayer(i, hidden) for i in range(num_layers)]
@@ -160,9 +169,6 @@ class StandInModel(nn.Module):
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed[ids].clone()
 
-    def norm(self, h: torch.Tensor) -> torch.Tensor:
-        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm_w
-
     def _dsa_forward_uses_topk(self) -> bool:
         return False
 
@@ -175,7 +181,15 @@ class StandInModel(nn.Module):
         for layer in self.layers:
             entering.append(h.clone())
             h, _ = layer(pos, h, None, None)
+        entering.append(h.clone())  # [L]: the stream before the final norm
         return self.norm(h), entering
+
+
+def _final_norm(h: Any, fb: Any, norm: Any, capture: Any = None) -> Any:
+    """residual_batch.final_norm without a residual: access.final_norm_pair's path."""
+    if capture is not None:
+        capture(h)
+    return norm(h)
 
 
 def _stand_in_globals(pkg: Path, tp_rank: list[int]) -> dict[str, Any]:
@@ -194,7 +208,7 @@ def _stand_in_globals(pkg: Path, tp_rank: list[int]) -> dict[str, Any]:
     residual_batch = SimpleNamespace(
         start=lambda fb: None,
         complete_output=lambda h, fb: h,
-        final_norm=lambda h, fb, norm: norm(h),
+        final_norm=_final_norm,
         to_pp=not_expected,
     )
     recorder = SimpleNamespace(with_current_layer=lambda i: nullcontext())
@@ -233,6 +247,7 @@ def _harness(pkg: Path, patched: bool) -> Harness:
     if patched:
         text = apply_unified_diff(text, load_spec("0.5.23").diff.read_text())
         defs += [("_hs_dump_begin",), ("_hs_dump_collector",), ("_hs_dump_write",)]
+        defs += [("_hs_dump_prenorm_capture",)]
     tp_rank = [0]
     globs = exec_defs(text, defs, _stand_in_globals(pkg, tp_rank))
     return Harness(globs["forward"], _forward_mode(pkg), globs, tp_rank)
@@ -349,6 +364,7 @@ class StandInModel14(nn.Module):
         for layer in self.layers:
             entering.append((h if residual is None else h + residual).clone())
             h, residual, _ = layer(pos, h, None, residual)
+        entering.append((h + residual).clone())  # [L]: the stream before the final norm
         return self.norm._norm(h + residual), entering
 
 
@@ -385,6 +401,7 @@ def _harness14(pkg: Path, patched: bool) -> Harness:
     if patched:
         text = apply_unified_diff(text, load_spec("0.5.14").diff.read_text())
         defs += [("_hs_dump_begin",), ("_hs_dump_collector",), ("_hs_dump_write",)]
+        defs += [("_hs_dump_prenorm",)]
     tp_rank = [0]
     globs = exec_defs(text, defs, _stand_in_globals_14(tp_rank))
     return Harness(globs["forward"], _forward_mode(pkg), globs, tp_rank)

@@ -92,3 +92,21 @@ def test_max_in_flight() -> None:
     assert max_in_flight(per - 1, per) == 1  # never 0: the preflight refuses that case
     with pytest.raises(ValueError):
         max_in_flight(GB, 0)
+
+
+def test_two_budgets_of_one_process_share_the_ledger_without_clashing(tmp_path: Path) -> None:
+    """Two chunks extracted at once in one process (the live throughput bench, a library
+    user): two budgets on one dump dir.  Their reservations must be distinct and both
+    count (found on the H200: the second got the first's name and failed)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hsextract.budget import SharedByteBudget
+
+    a, b = SharedByteBudget(tmp_path, 10_000), SharedByteBudget(tmp_path, 10_000)
+    with ThreadPoolExecutor(8) as pool:
+        tokens = list(pool.map(lambda i: (a if i % 2 else b).acquire(100), range(40)))
+    assert len(set(tokens)) == 40
+    assert a.reserved() == b.reserved() == 4_000
+    for t in tokens:
+        a.release(t)
+    assert b.reserved() == 0

@@ -35,13 +35,17 @@ def reference(demo_run):
     model.eval()
     merged = demo_run["run_dir"] / "merged" / "train.jsonl"
     out = {}
+    # HF's hidden_states end with the normed state; the stream before the final norm
+    # (prenorm_final) is the norm's input.
+    seen: list[torch.Tensor] = []
+    model.model.norm.register_forward_pre_hook(lambda m, args: seen.append(args[0][0]))
     with torch.inference_mode():
         for line in merged.read_text().splitlines():
             rec = json.loads(line)
             hs = model.model(
                 torch.tensor([rec["input_ids"]]), output_hidden_states=True
             ).hidden_states
-            out[rec["id"]] = {"rec": rec, "hs": [h[0] for h in hs]}
+            out[rec["id"]] = {"rec": rec, "hs": [h[0] for h in hs], "prenorm": seen.pop()}
     return out
 
 
@@ -60,6 +64,11 @@ def compare_chunk(path: Path, reference: dict) -> int:
             got = item["aux_hidden_states"][:, i * h : (i + 1) * h]
             err = (got - hs[layer]).abs().max().item()
             assert err <= TOL, f"{item['id']}: aux layer {layer} off by {err}"
+        if reader.prenorm:
+            err = (item["prenorm_hidden_states"] - ref["prenorm"]).abs().max().item()
+            assert err <= TOL, f"{item['id']}: pre-norm final state off by {err}"
+            # and it is not the normed one under another name
+            assert (item["prenorm_hidden_states"] - hs[-1]).abs().max().item() > 100 * TOL
     return len(reader)
 
 
@@ -69,15 +78,24 @@ def test_workflow_output_equals_direct_forward(demo_run, reference):
     assert n == len(reference)
 
 
-GRID = [(cps, n, True) for cps in (-1, 64, 257) for n in (1, 8)]
+GRID = [(cps, n, True, False) for cps in (-1, 64, 257) for n in (1, 8)]
 # SGLang-like budget sharing and one padded forward per batch: odd chunk boundaries and
 # real multi-request forwards (left-padded KV caches, masks) must be just as exact.
-GRID += [(64, 8, False), (257, 8, False)]
+GRID += [(64, 8, False, False), (257, 8, False, False)]
+# prenorm_final: the stream before the final norm, beside the aux layers.
+GRID += [(-1, 1, True, True), (64, 8, False, True)]
 
 
-@pytest.mark.parametrize(("chunked_prefill", "in_flight", "batch_invariant"), GRID)
+@pytest.mark.parametrize(("chunked_prefill", "in_flight", "batch_invariant", "prenorm"), GRID)
 def test_fidelity_grid(
-    demo_run, reference, tmp_path, chunked_prefill, in_flight, batch_invariant, monkeypatch
+    demo_run,
+    reference,
+    tmp_path,
+    chunked_prefill,
+    in_flight,
+    batch_invariant,
+    prenorm,
+    monkeypatch,
 ):
     workdir, rd = demo_run["workdir"], demo_run["run_dir"]
     monkeypatch.chdir(workdir)
@@ -86,6 +104,7 @@ def test_fidelity_grid(
     cfg["server"]["chunked_prefill_size"] = chunked_prefill
     cfg["client"]["requests_in_flight"] = in_flight
     cfg["server"]["batch_invariant"] = batch_invariant
+    cfg["prenorm_final"] = prenorm
     cfg["dump"]["dir"] = str(tmp_path / "dump")
     spec = server.build_spec(cfg, run_dir=tmp_path, log_path=tmp_path / "server.log")
     state = server.start(spec, owner=__import__("os").getpid())
@@ -104,6 +123,7 @@ def test_fidelity_grid(
                 progress=False,
             )
             total += compare_chunk(out, reference)
+            assert ChunkReader(out).prenorm == prenorm
         assert total == len(reference)
         # Every piece was consumed and every reservation released: the dump dir holds
         # nothing but our marker and the (empty) budget ledger.

@@ -76,9 +76,10 @@ def server(
     )
 
 
-def _register(server: Any, aux_layers: list[int] | None = None) -> None:
+def _register(server: Any, aux_layers: list[int] | None = None, prenorm: bool = False) -> None:
     server.set_layers(server.outer, aux_layers)  # what --return-aux-hidden-state-layer-ids does
-    spec = forward_hooks_spec("aux_capture", aux_layers, str(server.dump))
+    dump_layers = [*(aux_layers or DEFAULT_LAYERS), L] if prenorm else aux_layers
+    spec = forward_hooks_spec("aux_capture", dump_layers, str(server.dump), L if prenorm else None)
     server.hm.register_forward_hooks(server.outer, json.loads(spec))
 
 
@@ -139,6 +140,22 @@ def test_hook_batch_and_split_passes(server: Any) -> None:
     assert sorted(s for s, _ in got["a"]) == [0, 4]
     for rid, full in (("a", a), ("b", b), ("c", c)):
         _check(server.outer.model, full, got[rid], DEFAULT_LAYERS)
+
+
+@pytest.mark.parametrize("layers", [None, [0, 3, 6]])
+def test_hook_prenorm_final(server: Any, layers: list[int] | None) -> None:
+    """prenorm_final with SGLang's own aux capture: layers from SGLang, index L from a
+    hook on the final norm; the server still captures only the EAGLE-3 layers."""
+    _register(server, layers, prenorm=True)
+    want = [*(layers or DEFAULT_LAYERS), L]
+    assert server.outer.model.layers_to_capture == (layers or DEFAULT_LAYERS)
+    a, b = _ids(7, 21), _ids(3, 22)
+    _run(server, [("a", a, 0, 4), ("b", b, 0, 3)])
+    _run(server, [("a", a, 4, 3)])
+    assert hooks_mod._STASH.prenorm is None  # consumed, nothing left for the next forward
+    got = _pieces(server.dump, want)
+    for rid, full in (("a", a), ("b", b)):
+        _check(server.outer.model, full, got[rid], want)
 
 
 def test_hook_configured_layers(server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -252,6 +269,21 @@ def test_norm_hooks_capture_batches_and_split_passes(server14: Any, layers: list
     assert sorted(got) == ["a", "b", "c"]
     assert sorted(s for s, _ in got["a"]) == [0, 4]
     for rid, full in (("a", a), ("b", b), ("c", c)):
+        _check(server14.outer.model, full, got[rid], layers)
+
+
+def test_norm_hooks_prenorm_final(server14: Any) -> None:
+    """Index L with the layernorm design: the final norm's fused add gives the stream."""
+    layers = [*DEFAULT_LAYERS, L]
+    spec = forward_hooks_spec("layernorm", layers, str(server14.dump), L)
+    names = [s["name"] for s in json.loads(spec)]
+    assert "hsextract-prenorm" in names and f"hsextract-aux-{L}" not in names
+    server14.hm.register_forward_hooks(server14.outer, json.loads(spec))
+    a, b = _ids(8, 31), _ids(5, 32)
+    _run(server14, [("a", a, 0, 3), ("b", b, 0, 5)])
+    _run(server14, [("a", a, 3, 5)])
+    got = _pieces(server14.dump, layers)
+    for rid, full in (("a", a), ("b", b)):
         _check(server14.outer.model, full, got[rid], layers)
 
 

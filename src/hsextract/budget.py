@@ -88,6 +88,11 @@ def _start_time(pid: int) -> str | None:
         return None
 
 
+#: One sequence per process, not per budget: two chunks extracted at once in one process
+#: (two budgets on one dump dir) must never name a reservation alike.
+_SEQ = itertools.count()
+
+
 class SharedByteBudget:
     """A byte semaphore shared by every process that extracts into one dump dir.
 
@@ -106,7 +111,6 @@ class SharedByteBudget:
         self.poll_s = poll_s
         self.peak = 0
         self._me = f"{os.getpid()}-{_start_time(os.getpid())}"
-        self._seq = itertools.count()
         self._tlock = threading.Lock()
         self._fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
 
@@ -136,7 +140,7 @@ class SharedByteBudget:
                 try:
                     used = self._used()
                     if used + nbytes <= self.capacity or used == 0:
-                        token = f"{self._me}-{next(self._seq)}-{nbytes}"
+                        token = f"{self._me}-{next(_SEQ)}-{nbytes}"
                         with open(self.dir / token, "x"):
                             pass
                         self.peak = max(self.peak, used + nbytes)

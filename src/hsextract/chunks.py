@@ -429,7 +429,11 @@ class ChunkWriter:
             os.ftruncate(self.fd, self.data_start + self.fixed_bytes + end)
             self._write_header(self._header(blob_bytes=end))
         elif self.codec == "fp8":
-            names = [f"aux_{layer}" for layer in json.loads(self.metadata.get("aux_layers", "[]"))]
+            prenorm = self.metadata.get("num_layers")
+            names = [
+                "prenorm" if str(layer) == prenorm else f"aux_{layer}"
+                for layer in json.loads(self.metadata.get("aux_layers", "[]"))
+            ]
             names = (names + [f"aux_{i}" for i in range(len(names), self.k)])[: self.k]
             report = self.fp8_error.report([*names, "final"])
             self.metadata["fp8_error"] = json.dumps(report, separators=(",", ":"))
@@ -569,7 +573,13 @@ class ChunkReader:
             raise ChunkFileError(f"{self.path}: missing tensors {sorted(need - keys)}")
         self.offsets = self._f.get_tensor("offsets")
         self.record_ids: list[str] = json.loads(self.metadata.get("record_ids", "[]"))
-        self.aux_layers: list[int] = json.loads(self.metadata.get("aux_layers", "[]"))
+        #: Every layer stored in ``aux_hidden_states``, in order (what the dump captured).
+        self.stored_layers: list[int] = json.loads(self.metadata.get("aux_layers", "[]"))
+        n_layers = self.metadata.get("num_layers")
+        #: With ``prenorm_final`` the last stored block is index L, the stream before the
+        #: final norm: records hand it out on its own, as ``prenorm_hidden_states``.
+        self.prenorm = n_layers is not None and int(n_layers) in self.stored_layers
+        self.aux_layers: list[int] = self.stored_layers[:-1] if self.prenorm else self.stored_layers
         self.hidden_size = int(self.metadata.get("hidden_size", -1))
         if self.codec == "none":
             self.dtype = _ST_TO_TORCH[self._f.get_slice("hidden_states").get_dtype()]
@@ -599,12 +609,17 @@ class ChunkReader:
         out: dict[str, torch.Tensor | str] = {
             name: self._f.get_slice(name)[a:b] for name in ("input_ids", "loss_mask")
         }
-        out["hidden_states"], out["aux_hidden_states"] = self._rows(j, a, b)
+        out["hidden_states"], aux = self._rows(j, a, b)
+        if self.prenorm:
+            k = len(self.aux_layers) * self.hidden_size
+            out["aux_hidden_states"], out["prenorm_hidden_states"] = aux[:, :k], aux[:, k:]
+        else:
+            out["aux_hidden_states"] = aux
         out["id"] = self.record_ids[j] if j < len(self.record_ids) else str(j)
         return out
 
     def _rows(self, j: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        h, k = self.hidden_size, len(self.aux_layers)
+        h, k = self.hidden_size, len(self.stored_layers)
         if self.codec == "none":
             return (
                 self._f.get_slice("hidden_states")[a:b],
@@ -662,7 +677,7 @@ class ChunkReader:
     def raw_bytes(self) -> int:
         """What the hidden and aux rows take uncompressed, in the captured dtype."""
         esize = torch.empty((), dtype=self.dtype).element_size()
-        return int(self.offsets[-1]) * self.hidden_size * (len(self.aux_layers) + 1) * esize
+        return int(self.offsets[-1]) * self.hidden_size * (len(self.stored_layers) + 1) * esize
 
     def stored_bytes(self) -> int:
         names = {
@@ -718,7 +733,7 @@ def check_chunk(path: str | os.PathLike[str], expect_records: int | None = None)
     shapes = r.shapes()
     t = int(r.offsets[-1])
     h = r.hidden_size
-    k = len(r.aux_layers)
+    k = len(r.stored_layers)
     n = len(r)
     problems = []
     if shapes["input_ids"][0] != [t] or shapes["loss_mask"][0] != [t]:
@@ -775,7 +790,7 @@ def _frame_problems(r: ChunkReader, t: int, n: int) -> list[str]:
             if at < 0 or at + size > blob:
                 return [f"record {j}: frame at {at}+{size} outside the {blob}-byte blob"]
             rows[tensor] += nr
-        want = {0: int(lens[j]), 1: int(lens[j]) if r.aux_layers else 0}
+        want = {0: int(lens[j]), 1: int(lens[j]) if r.stored_layers else 0}
         if rows != want:
             return [f"record {j}: frames cover {rows} rows of (hidden, aux), expected {want}"]
     return []
@@ -817,6 +832,7 @@ def inspect_text(path: str | os.PathLike[str]) -> str:
     lines.append(
         f"  records read as: hidden_states {r.dtype} [{t}, {h}], "
         f"aux_hidden_states {r.dtype} [{t}, {k * h}]"
+        + (f", prenorm_hidden_states {r.dtype} [{t}, {h}]" if r.prenorm else "")
     )
     lines.append("  stored tensors:")
     for name, (shape, dtype) in sorted(r.shapes().items()):

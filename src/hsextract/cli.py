@@ -7,6 +7,9 @@ hsextract inspect CHUNK_FILE
 hsextract verify MANIFEST
 hsextract plan [--configfile F]
 hsextract run-dir [--configfile F]
+hsextract export specforge --manifest M [--out DIR] [--gzip]
+hsextract export speculators --manifest M [--out DIR]      (needs prenorm_final: true)
+hsextract status [--configfile F] [--json] [--window S]
 """
 
 from __future__ import annotations
@@ -144,6 +147,15 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _status(args: argparse.Namespace) -> int:
+    """Where the config's run stands (chunks, tokens, rates, ETA, server, last error)."""
+    from hsextract import status
+
+    st = status.collect(_load(args), window_s=args.window)
+    print(json.dumps(st.to_json(), indent=2) if args.json else status.render(st))
+    return 0
+
+
 def _run_dir(args: argparse.Namespace) -> int:
     from hsextract.config import run_dir
 
@@ -174,9 +186,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="which chunks the next run re-extracts (reads only)")
     _add_config_args(p)
     p.set_defaults(func=_plan)
+    p = sub.add_parser("status", help="progress, rate, ETA, server and last error of a run")
+    _add_config_args(p)
+    p.add_argument("--json", action="store_true", help="one JSON object, for scripts")
+    p.add_argument(
+        "--window", type=float, default=300.0, help="seconds of the recent rate (%(default)s)"
+    )
+    p.set_defaults(func=_status)
     p = sub.add_parser("run-dir", help="print the run directory (fingerprint) of a config")
     _add_config_args(p)
     p.set_defaults(func=_run_dir)
+    # `hsextract export FORMAT ...`: each export module registers its format's subcommand.
+    from hsextract.export import specforge as specforge_export
+    from hsextract.export import speculators as speculators_export
+
+    p = sub.add_parser("export", help="write a finished run in a trainer's format")
+    export_formats = p.add_subparsers(dest="format", required=True)
+    specforge_export.register_cli(export_formats)
+    speculators_export.register_cli(export_formats)
     return parser
 
 

@@ -29,11 +29,16 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from hsextract.capture import ABANDONED_DIR, PIECE_SUFFIX
 from hsextract.errors import HsextractError
+from hsextract.stats import LayerStats, layer_names
+
+if TYPE_CHECKING:
+    from hsextract.status import ProgressFile
 
 log = logging.getLogger("hsextract")
 
@@ -71,7 +76,7 @@ class Geometry:
 
 
 def model_geometry(cfg: dict) -> Geometry:
-    from hsextract.config import read_model_config, resolve_aux_layers
+    from hsextract.config import captured_layers, read_model_config
     from hsextract.engine import DTYPES
 
     try:
@@ -84,7 +89,7 @@ def model_geometry(cfg: dict) -> Geometry:
     return Geometry(
         hidden_size=int(mcfg["hidden_size"]),
         num_layers=layers,
-        aux_layers=resolve_aux_layers(cfg, layers),
+        aux_layers=captured_layers(cfg, layers),
         dtype=DTYPES[cfg["model"]["dtype"]],
     )
 
@@ -251,6 +256,7 @@ class Dump:
     hidden_shape: tuple[int, int]
     aux_shape: tuple[int, int]
     pieces: list[dict]
+    stats: LayerStats | None = None
 
     def close(self) -> None:
         close_pieces(self.pieces)
@@ -319,8 +325,9 @@ def _assemble(pieces: list[dict], sent: list[int], geo: Geometry, where: str) ->
             f"{where}: dumped dtype {', '.join(sorted(map(str, dtypes)))}, expected "
             f"{geo.dtype} (model.dtype)"
         )
+    stats = LayerStats(layer_names(geo.aux_layers, geo.num_layers))
     for p in pieces:
-        if not _piece_finite(p, want):
+        if not _piece_finite(p, want, stats, k):
             raise ExtractionError(f"{where}: non-finite values in the dumped hidden states")
     ranges = {
         key: [(p["fd"], *p["layout"][key][2:], str(p["path"])) for p in pieces] for key in want
@@ -333,12 +340,16 @@ def _assemble(pieces: list[dict], sent: list[int], geo: Geometry, where: str) ->
         hidden_shape=shapes["hidden_states"],
         aux_shape=shapes["aux_hidden_states"],
         pieces=pieces,
+        stats=stats,
     )
 
 
-def _piece_finite(piece: dict, keys: Iterable[str]) -> bool:
+def _piece_finite(
+    piece: dict, keys: Iterable[str], stats: LayerStats | None = None, k: int = 0
+) -> bool:
     """Are the piece's float tensors all finite?  Checked through a private read-only
-    mapping of the file (no copy; tmpfs pages are mapped as they are)."""
+    mapping of the file (no copy; tmpfs pages are mapped as they are).  On the way, the
+    sampled activation statistics (:mod:`hsextract.stats`) of its layers."""
     size = os.fstat(piece["fd"]).st_size
     if size == 0:
         return True
@@ -349,6 +360,9 @@ def _piece_finite(piece: dict, keys: Iterable[str]) -> bool:
                 continue
             t = torch.frombuffer(mm, dtype=dtype, count=math.prod(shape), offset=offset)
             finite = _all_finite(t)
+            if finite and stats is not None:
+                aux = key == "aux_hidden_states"
+                stats.add_rows(0 if aux else k, t.view(shape), k if aux else 1)
             del t  # the mapping cannot close while a view of it lives
             if not finite:
                 return False
@@ -521,7 +535,42 @@ def extract_chunk(
     ensure: Callable[[], dict],
     progress: bool = True,
 ) -> dict:
-    """Extract every record of a chunk into the contract's chunk file plus its sidecar."""
+    """Extract every record of a chunk into the contract's chunk file plus its sidecar.
+
+    While it runs, ``hidden/.chunk_XXXXX.progress.json`` says how far it got (for
+    ``hsextract status``); it is removed when the chunk ends, whichever way.
+    """
+    from hsextract.status import ProgressFile
+
+    tracker = ProgressFile(Path(out_path))
+    try:
+        return _extract_chunk(
+            cfg,
+            chunk_path=chunk_path,
+            index_path=index_path,
+            merged_path=merged_path,
+            out_path=out_path,
+            sidecar_path=sidecar_path,
+            ensure=ensure,
+            progress=progress,
+            tracker=tracker,
+        )
+    finally:
+        tracker.remove()
+
+
+def _extract_chunk(
+    cfg: dict,
+    *,
+    chunk_path: Path,
+    index_path: Path | None,
+    merged_path: Path | None,
+    out_path: Path,
+    sidecar_path: Path,
+    ensure: Callable[[], dict],
+    progress: bool,
+    tracker: ProgressFile,
+) -> dict:
     from hsextract import __version__
     from hsextract.budget import SharedByteBudget
     from hsextract.chunks import ChunkWriter, check_chunk
@@ -569,6 +618,7 @@ def extract_chunk(
         "record_ids": json.dumps([r.id for r in records]),
         "aux_layers": json.dumps(geo.aux_layers),
         "hidden_size": str(geo.hidden_size),
+        "num_layers": str(geo.num_layers),
         "model": str(cfg["model"]["path"]),
         "fingerprint": fp,
         "engine": cfg["engine"],
@@ -596,8 +646,10 @@ def extract_chunk(
     shm = SharedByteBudget(client.dump_dir, budget_bytes)
     total_tokens = sum(len(r.input_ids) for r in records)
     bar = _progress(name, total_tokens, len(records), progress)
+    tracker.set_total(total_tokens, len(records))
 
     first_error: list[BaseException] = []
+    chunk_stats = LayerStats(layer_names(geo.aux_layers, geo.num_layers))
 
     def one(j: int) -> None:
         if client.stop.is_set():
@@ -609,6 +661,8 @@ def extract_chunk(
                 with client.extract_dump(f"{name}-{j:06d}", rec.id, rec.input_ids) as dump:
                     mask = torch.tensor(rec.loss_mask, dtype=torch.uint8)
                     writer.put_files(j, dump.ids, mask, dump.hidden, dump.aux, dump.dtype)
+                    if dump.stats is not None:
+                        chunk_stats.merge(dump.stats)
             finally:
                 shm.release(token)
         except BaseException as exc:
@@ -616,6 +670,7 @@ def extract_chunk(
             client.stop.set()  # other threads finish their request, retry nothing
             raise
         bar.update(len(rec.input_ids))
+        tracker.add(len(rec.input_ids))
 
     pool = ThreadPoolExecutor(max_workers=int(cfg["client"]["requests_in_flight"]))
     try:
@@ -655,6 +710,9 @@ def extract_chunk(
         "states_stored_bytes": check["stored_bytes"],
         "sha256": sha,
         "seconds": round(seconds, 3),
+        # Wall clock, for `hsextract status` (its rates; an mtime does not survive a copy).
+        "started_at": round(tracker.data["started_at"], 3),
+        "finished_at": round(time.time(), 3),
         "tokens_per_s": round(total_tokens / seconds, 1) if seconds > 0 else math.inf,
         "fingerprint": fp,
         "content_digest": digest,
@@ -666,6 +724,7 @@ def extract_chunk(
         "server": _server_record(client.state),
         "hsextract_version": __version__,
         "abandoned_requests": len(client.abandoned),
+        "activation_stats": chunk_stats.report(),
         "shm_peak_bytes": shm.peak,
     }
     from hsextract.server import write_json

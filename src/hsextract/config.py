@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from hsextract.convention import CAPTURE_CONVENTION, default_aux_layers
+from hsextract.convention import CAPTURE_CONVENTION, default_aux_layers, prenorm_layer
 from hsextract.errors import ConfigError
 
 #: Bump when the capture convention or file layout changes what a run writes.
@@ -110,6 +110,52 @@ def check_semantics(cfg: dict) -> None:
         raise ConfigError(f"server.chunked_prefill_size must be -1 (off) or >= 1, got {cps}")
     if cfg.get("aux_layers") is not None and len(set(cfg["aux_layers"])) != len(cfg["aux_layers"]):
         raise ConfigError(f"aux_layers has duplicates: {cfg['aux_layers']}")
+    check_demo(cfg)
+
+
+def demo_inputs(cfg: dict) -> str:
+    """The glob of the shards the demo generates (rules/common.smk, ``demo_shards``)."""
+    return os.path.normpath(f"{cfg['output_root']}/demo/data/shard_*.jsonl")
+
+
+def check_demo(cfg: dict) -> None:
+    """The demo and a user's own data or model never mix, and neither is dropped silently.
+
+    ``demo.enabled`` extracts the shards it generates with the random-weight model it
+    builds at ``model.path``.  Other ``inputs`` beside it would be ignored (a new user's
+    ``--config inputs=[...]`` extracted the demo's data without a word), and a real
+    model at ``model.path`` would be overwritten; both are refused, saying what to set.
+    Without the demo, ``inputs`` is required.  ``inputs`` naming the demo's own shards is
+    accepted: configs written before this check had that value.
+    """
+    inputs = cfg.get("inputs") or []
+    if not (cfg.get("demo") or {}).get("enabled"):
+        if not inputs:
+            raise ConfigError(
+                "inputs is not set: list the JSON-lines shards to extract (paths or globs), "
+                'e.g. inputs: ["/data/shards/*.jsonl"]; or set demo.enabled: true to run '
+                "the embedded demo"
+            )
+        return
+    if inputs and [os.path.normpath(p) for p in inputs] != [demo_inputs(cfg)]:
+        raise ConfigError(
+            f"inputs {inputs} would be ignored: demo.enabled is true, and the demo extracts "
+            f"the shards it generates ({demo_inputs(cfg)}) with a random-weight model. "
+            "To extract your data, set demo.enabled: false and model.path (and model.dtype) "
+            "to the model it was tokenized for: in a config file (start from "
+            "configs/deepseek-v3-8xh200.yaml) or on Snakemake's command line: --config "
+            "'demo={enabled: false}' 'model={path: /path/to/model, dtype: bfloat16}'. To "
+            "run the demo, leave inputs unset"
+        )
+    model = Path(cfg["model"]["path"])
+    if (model / "config.json").exists() and not any(model.glob("settings-*.json")):
+        raise ConfigError(
+            f"model.path={str(model)!r} holds a model the demo did not build, and "
+            "demo.enabled is true: the demo would overwrite its config.json and "
+            "model.safetensors with random weights. To extract with this model set "
+            "demo.enabled=false (and inputs); to run the demo, point model.path at a new "
+            "directory"
+        )
 
 
 def is_loopback(host: str) -> bool:
@@ -123,6 +169,21 @@ def resolve_aux_layers(cfg: dict, num_layers: int) -> list[int]:
         if not 0 <= layer < num_layers:
             raise ConfigError(f"aux_layers {layers}: layer {layer} outside [0, {num_layers})")
     return layers
+
+
+def captured_layers(cfg: dict, num_layers: int) -> list[int]:
+    """What a dump holds as aux, in order: the EAGLE-3 layers, then with ``prenorm_final``
+    the stream before the final norm (index L, :func:`convention.prenorm_layer`)."""
+    layers = resolve_aux_layers(cfg, num_layers)
+    return [*layers, prenorm_layer(num_layers)] if cfg.get("prenorm_final") else layers
+
+
+def server_aux_layers(cfg: dict) -> list[int] | None:
+    """The aux layers a server must be told, or None to let it use the EAGLE-3 default
+    (no model config is read then: the default is computed where the model is loaded)."""
+    if cfg.get("prenorm_final"):
+        return captured_layers(cfg, int(read_model_config(cfg)["num_hidden_layers"]))
+    return None if cfg.get("aux_layers") is None else list(cfg["aux_layers"])
 
 
 def read_model_config(cfg: dict) -> dict:
@@ -172,6 +233,8 @@ def fingerprint_payload(cfg: dict) -> dict:
     codec = storage_codec(cfg)
     if codec != "none":
         payload["storage_codec"] = codec
+    if cfg.get("prenorm_final"):  # absent when off: runs from before it keep their dir
+        payload["prenorm_final"] = True
     return payload
 
 
@@ -210,6 +273,8 @@ def launch_settings(cfg: dict) -> dict[str, Any]:
         # to replace a server (the client reads pieces where the live server writes them).
         "dump_dir": (cfg.get("dump") or {}).get("dir"),
     }
+    if cfg.get("prenorm_final"):  # only when on: a digest from before it stays the same
+        out["prenorm_final"] = True
     if cfg["engine"] == "reference":
         out["device"] = server["device"]
         out["batch_invariant"] = server["batch_invariant"]

@@ -33,7 +33,7 @@ import torch
 
 from hsextract import __version__, faults
 from hsextract.capture import DumpWriter, get_writer
-from hsextract.convention import default_aux_layers
+from hsextract.convention import default_aux_layers, prenorm_layer
 
 log = logging.getLogger("hsextract.engine")
 
@@ -92,11 +92,22 @@ class ModelRunner:
         self.aux_layers = (
             list(aux_layers) if aux_layers is not None else default_aux_layers(self.num_layers)
         )
+        bad = [i for i in self.aux_layers if not 0 <= i <= self.num_layers]
+        if bad:
+            raise ValueError(f"aux layers {bad} outside [0, {self.num_layers}]")
+        # Aux index L is the stream leaving the last layer, before the final norm: HF's
+        # hidden_states end with the *normed* state, so the norm's input is taken by a hook.
+        self._prenorm: torch.Tensor | None = None
+        if prenorm_layer(self.num_layers) in self.aux_layers:
+            self.model.model.norm.register_forward_pre_hook(self._take_prenorm)
         self.writer = writer
         self.batch_invariant = batch_invariant
         params = inspect.signature(self.model.model.forward).parameters
         # transformers renamed past_key_values -> cache; accept either release.
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    def _take_prenorm(self, module: torch.nn.Module, args: tuple) -> None:
+        self._prenorm = args[0]
 
     @torch.inference_mode()
     def extend(self, reqs: Sequence[Request], lens: Sequence[int]) -> None:
@@ -157,6 +168,9 @@ class ModelRunner:
             **{self._cache_kw: cache},
         )
         hs = out.hidden_states  # [0] embeddings, [i] entering layer i, [-1] after final norm
+        if self._prenorm is not None:  # [L] before the final norm, [L + 1] after it
+            hs = (*hs[:-1], self._prenorm, hs[-1])
+            self._prenorm = None
         result = []
         for j, r in enumerate(reqs):
             n, p = lens[j], prefix[j]

@@ -120,14 +120,53 @@ class _RangeResult:
 # --------------------------------------------------------------------------- validation
 
 
+#: Control bytes JSON allows nowhere (tab and CR are whitespace outside strings; LF ends a
+#: line), and a string's opening quote: where a scan outside strings stops.
+_OUTSIDE_STRING = re.compile(rb'["\x00-\x08\x0b\x0c\x0e-\x1f]')
+#: A string's body up to its closing quote, or to the first byte it may not hold raw.
+_CONTROL = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f]")
+_STRING_BODY = re.compile(rb'(?:[^"\\\x00-\x1f]|\\[^\x00-\x1f])*')
+_CONTROL_NAMES = {0x00: "NUL", 0x09: "tab", 0x0D: "carriage return", 0x1B: "ESC"}
+_MAGIC = (
+    (b"\x1f\x8b", "gzip", "gunzip"),
+    (b"\x28\xb5\x2f\xfd", "zstd", "unzstd"),
+    (b"\xfd7zXZ\x00", "xz", "unxz"),
+)
+
+
 def _reason_for_parse_error(line: bytes) -> tuple[str, str]:
-    """Name why orjson refused a line; stdlib json only classifies, it never accepts."""
+    """Name why orjson refused a line, in words that say what to fix.
+
+    orjson's own messages are about its parser state, and stdlib json, given bytes,
+    guesses UTF-16/32 from where the NUL bytes are: a line of binary came back as
+    "'utf-16-be' codec can't decode byte ...".  So the encoding and the raw control bytes
+    are checked first, and stdlib json (which only classifies, it never accepts) gets
+    text.  Columns count bytes from 1; the reject record names the file and line.
+    """
+    for magic, kind, tool in _MAGIC:
+        if line.startswith(magic):
+            return "binary_data", (
+                f"{kind}-compressed data, not JSON text (magic bytes {magic.hex(' ')} at "
+                f"column 1): decompress the file first ({tool}); the merge reads plain "
+                "JSON Lines"
+            )
+    foreign = _utf16_or_32(line)
+    if foreign is not None:
+        return "invalid_utf8", foreign
     try:
-        line.decode("utf-8")
+        text = line.decode("utf-8")
     except UnicodeDecodeError as e:
-        return "invalid_utf8", f"invalid UTF-8 at byte {e.start}"
+        return _not_utf8(line, e)
+    if text.startswith("\ufeff"):
+        return "utf8_bom", (
+            "starts with a UTF-8 byte-order mark (bytes ef bb bf), which JSON Lines does not "
+            "allow: remove it (e.g. sed -i '1s/^\\xEF\\xBB\\xBF//' FILE)"
+        )
+    bad = _bad_control_byte(line)
+    if bad is not None:
+        return "control_byte", _control_detail(line, *bad)
     try:
-        obj = json.loads(line)
+        obj = json.loads(text)
     except (ValueError, RecursionError) as e:
         return "invalid_json", str(e)[:200]
     # Parses for Python but not orjson: ints beyond 64 bits, NaN/Infinity and the like.
@@ -135,6 +174,88 @@ def _reason_for_parse_error(line: bytes) -> tuple[str, str]:
     if problem is not None:
         return problem
     return "invalid_json", "not strict JSON (NaN, Infinity or a number out of range)"
+
+
+def _utf16_or_32(line: bytes) -> str | None:
+    """UTF-16 or UTF-32 text: a byte-order mark, or a NUL at every other byte (a UTF-16
+    file's lines after the first, split at the low byte of its newlines)."""
+    boms = (
+        (b"\xff\xfe\x00\x00", "UTF-32LE"),
+        (b"\x00\x00\xfe\xff", "UTF-32BE"),
+        (b"\xff\xfe", "UTF-16LE"),
+        (b"\xfe\xff", "UTF-16BE"),
+    )
+    for bom, enc in boms:
+        if line.startswith(bom):
+            return (
+                f"not UTF-8: {enc} text (byte-order mark {bom.hex(' ')} at column 1); convert "
+                f"the file to UTF-8 (e.g. iconv -f {enc[:6]} -t UTF-8)"
+            )
+    nul = line.count(0)
+    if len(line) >= 4 and 3 * nul >= len(line):
+        on_one_side = max(line[0::2].count(0), line[1::2].count(0))
+        if on_one_side >= 0.9 * nul and not _CONTROL.search(line.replace(b"\x00", b"")):
+            return (
+                "not UTF-8: looks like UTF-16 text (a NUL byte at every other column); convert "
+                "the file to UTF-8 (e.g. iconv -f UTF-16 -t UTF-8)"
+            )
+    return None
+
+
+def _not_utf8(line: bytes, e: UnicodeDecodeError) -> tuple[str, str]:
+    at = e.start
+    bad = line[at : max(e.end, at + 1)]
+    shown = f"byte{'s' if len(bad) > 1 else ''} {bad.hex(' ')}"
+    if _CONTROL.search(line):
+        return "binary_data", (
+            f"binary data, not UTF-8 text: {shown} at column {at + 1} is not UTF-8 and the "
+            "line holds raw control bytes; is this a binary file?"
+        )
+    return "invalid_utf8", (
+        f"not UTF-8 text at column {at + 1} ({shown}): the file is in another "
+        "encoding, e.g. Latin-1 or cp1252; convert it to UTF-8 (e.g. iconv -f LATIN1 -t UTF-8)"
+    )
+
+
+def _bad_control_byte(line: bytes) -> tuple[int, bool] | None:
+    """(index, inside a string) of the first control byte JSON does not allow where it is.
+
+    Regex scans only (a rejected line may be megabytes of binary): outside strings up to
+    the next quote or control byte, then across the string's body.
+    """
+    pos = 0
+    while True:
+        m = _OUTSIDE_STRING.search(line, pos)
+        if m is None:
+            return None
+        i = m.start()
+        if line[i] != 0x22:  # '"'
+            return i, False
+        j = _STRING_BODY.match(line, i + 1).end()  # type: ignore[union-attr]
+        if j >= len(line):
+            return None  # an unterminated string: a JSON error, not a byte problem
+        if line[j] == 0x22:
+            pos = j + 1
+            continue
+        if line[j] == 0x5C and j + 1 < len(line):  # '\' before a control byte
+            j += 1
+        return (j, True) if line[j] < 0x20 else None
+
+
+def _control_detail(line: bytes, i: int, in_string: bool) -> str:
+    b = line[i]
+    name = _CONTROL_NAMES.get(b)
+    what = f"control byte 0x{b:02x}{f' ({name})' if name else ''} at column {i + 1}"
+    if in_string and b in (0x09, 0x0D):
+        escape = "\\t" if b == 0x09 else "\\r"
+        return f"raw {what} inside a JSON string: a string must escape it (as {escape})"
+    binary = "; is this a binary file?" if b == 0 or not in_string else ""
+    if in_string:
+        return (
+            f"raw {what} inside a JSON string: a string cannot hold raw control bytes "
+            f"(escape it as \\u00{b:02x}){binary}"
+        )
+    return f"{what}: JSON text cannot hold raw control bytes{binary}"
 
 
 def _check_int_list(values: list[Any], bound: int) -> tuple[str, str] | None:
@@ -889,7 +1010,7 @@ def merge_and_shuffle(
         _write_atomic(
             out_dir / "rejects.jsonl", b"".join(orjson.dumps(r) + b"\n" for r in col.rejects)
         )
-        _check_fraction(stats, out_dir, len(files))
+        _check_fraction(stats, out_dir, len(files), col.rejects)
         # A permutation of canonical (file, line) order: a function of seed and kept set.
         order = np.random.Generator(np.random.PCG64(seed)).permutation(len(col.kept.file))
         tmp = _tmp_name(out_dir / "train.jsonl")
@@ -905,7 +1026,22 @@ def merge_and_shuffle(
     return stats
 
 
-def _check_fraction(stats: dict[str, Any], out_dir: Path, n_files: int) -> None:
+def reject_examples(
+    rejects: Sequence[dict[str, Any]], limit: int = 3, total: int | None = None
+) -> str:
+    """The first few rejects as ``file:line: reason: detail``, for a message a person reads
+    (rejects.jsonl holds them all): the counts alone do not say what to fix.  ``total``:
+    how many malformed lines there are when ``rejects`` holds only the first ones."""
+    malformed = [r for r in rejects if r["reason"] != "over_length_dropped"]
+    shown = [f"{r['file']}:{r['line']}: {r['reason']}: {r['detail']}" for r in malformed[:limit]]
+    total = len(malformed) if total is None else total
+    more = f" (and {total - len(shown)} more)" if total > len(shown) else ""
+    return "; ".join(shown) + more
+
+
+def _check_fraction(
+    stats: dict[str, Any], out_dir: Path, n_files: int, rejects: Sequence[dict[str, Any]]
+) -> None:
     """Fail (after writing stats.json) on no records or too many malformed ones."""
     if stats["records_in"] == 0:
         _write_atomic(out_dir / "stats.json", _dump_json(stats))
@@ -917,8 +1053,8 @@ def _check_fraction(stats: dict[str, Any], out_dir: Path, n_files: int) -> None:
         raise RejectFractionError(
             f"{stats['rejected']} of {stats['records_in']} records rejected "
             f"({stats['reject_fraction']:.2%}) > merge.max_reject_fraction={bound} "
-            f"({reasons}); see {out_dir / 'rejects.jsonl'}, fix the inputs or raise "
-            "merge.max_reject_fraction"
+            f"({reasons}); first: {reject_examples(rejects)}. All are in "
+            f"{out_dir / 'rejects.jsonl'}; fix the inputs or raise merge.max_reject_fraction"
         )
 
 

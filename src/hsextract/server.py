@@ -10,7 +10,8 @@ Files (per run dir):
   rewritten afterwards, so it never invalidates finished chunks);
 - ``state/server.<host>.live.json``: the process serving now on this host (pid, url,
   watchdog), rewritten by every relaunch.  Per host, so chunk jobs spread over nodes each
-  own their node's server.
+  own their node's server; inside a SLURM job per job, ``server.<host>.job<N>.live.json``
+  (:func:`host_key`), whose server lives as long as that allocation.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -29,6 +31,9 @@ from typing import Any
 from hsextract.errors import HsextractError
 
 OWNER_ENV = "HSEXTRACT_OWNER_PID"
+#: Where that pid means something (see :func:`host_key`): a SLURM job's environment
+#: carries the submitting workflow's, a pid of another host or allocation.
+OWNER_SCOPE_ENV = "HSEXTRACT_OWNER_SCOPE"
 API_KEY_ENV = "HSEXTRACT_API_KEY"
 API_KEY_PLACEHOLDER = "${HSEXTRACT_API_KEY}"
 
@@ -113,10 +118,33 @@ def pid_alive(pid: int | str | None) -> bool:
         return True
 
 
+def host_key() -> str:
+    """This host, and inside a SLURM job that job: each allocation runs its own server.
+
+    Its GPUs are the allocation's and SLURM kills it with the allocation, so a second job
+    on the same node must not take it over (state and log file names use this key).
+    """
+    job = os.environ.get("SLURM_JOB_ID")
+    return f"{socket.gethostname()}.job{job}" if job else socket.gethostname()
+
+
+def inherited_owner() -> int | None:
+    """The workflow process owning servers started here, if it lives in this scope.
+
+    A SLURM job inherits the submitting workflow's variables (``--export=ALL``): its pid
+    is another host's, or on one host another allocation's, so the job's own workflow
+    process becomes the owner (rules/common.smk) and its server dies with the job.
+    """
+    if os.environ.get(OWNER_SCOPE_ENV, host_key()) != host_key():
+        return None
+    value = os.environ.get(OWNER_ENV)
+    return int(value) if value and pid_alive(value) else None
+
+
 def owner_pid() -> int:
     """The workflow process that owns servers started now (set by the Snakefile)."""
-    value = os.environ.get(OWNER_ENV)
-    return int(value) if value and pid_alive(value) else os.getppid()
+    owner = inherited_owner()
+    return owner if owner is not None else os.getppid()
 
 
 def health(url: str, timeout: float = 5.0, api_key: str | None = None) -> bool:
@@ -278,7 +306,39 @@ def stop(state: dict) -> None:
 
 
 def live_path(state_dir: Path) -> Path:
-    return Path(state_dir) / f"server.{socket.gethostname()}.live.json"
+    return Path(state_dir) / f"server.{host_key()}.live.json"
+
+
+def forget_finished_jobs(state_dir: Path) -> list[str]:
+    """Remove the live files of SLURM jobs that are over (``server.<host>.job<N>``).
+
+    SLURM kills a job's server with the job, and nothing of the job is left to remove its
+    live file, which stale deletion would read as a server in use forever.  A job still
+    listed by ``squeue`` keeps its file; without ``squeue`` nothing is removed.
+    """
+    import re
+    import shutil
+
+    files = {}
+    # The .lock next to each live file too: one per allocation, 6,400 on a 64-node run.
+    for path in Path(state_dir).glob("server.*.job*.live.json*"):
+        m = re.fullmatch(r"server\..+\.job(\d+)\.live\.json(\.lock)?", path.name)
+        if m:
+            files[path] = m.group(1)
+    if not files or shutil.which("squeue") is None:
+        return []
+    jobs = ",".join(sorted(set(files.values())))
+    # squeue's default states are the unfinished ones; an id it no longer knows is over.
+    proc = subprocess.run(["squeue", "-h", "-j", jobs, "-o", "%i"], capture_output=True, text=True)
+    if proc.returncode != 0 and "Invalid job id" not in proc.stderr:
+        return []  # slurmctld unreachable: keep them
+    running = set(proc.stdout.split())
+    gone = []
+    for path, job in files.items():
+        if job not in running:
+            path.unlink(missing_ok=True)
+            gone.append(path.name)
+    return gone
 
 
 def read_json(path: Path) -> dict | None:
@@ -291,7 +351,9 @@ def read_json(path: Path) -> dict | None:
 def write_json(path: Path, data: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # pid and thread: two threads of one process (servers started at once) write the same
+    # marker, and a shared temporary name makes one rename fail.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
     os.replace(tmp, path)
 
@@ -444,7 +506,7 @@ def prepare_dump_dir(path: Path, owner: str | None = None) -> Path:
 
 def build_spec(cfg: dict, *, run_dir: Path, log_path: Path) -> ServerSpec:
     """The launch spec for the configured engine, from the config alone."""
-    from hsextract.config import dump_dir, fingerprint, launch_settings
+    from hsextract.config import dump_dir, fingerprint, launch_settings, server_aux_layers
 
     server = cfg["server"]
     port_auto = server["port"] == 0
@@ -455,8 +517,9 @@ def build_spec(cfg: dict, *, run_dir: Path, log_path: Path) -> ServerSpec:
     api_key_env = API_KEY_ENV if server.get("api_key") else None
     if cfg["engine"] == "reference":
         env["SGLANG_HS_DUMP_DIR"] = ddir  # the engine captures through the patch's path
-        if cfg.get("aux_layers") is not None:
-            env["HSEXTRACT_AUX_LAYERS"] = json.dumps(cfg["aux_layers"])
+        layers = server_aux_layers(cfg)
+        if layers is not None:
+            env["HSEXTRACT_AUX_LAYERS"] = json.dumps(layers)
         argv = [
             sys.executable, "-m", "hsextract.engine",
             "--model-path", str(Path(cfg["model"]["path"]).resolve()),
@@ -471,8 +534,8 @@ def build_spec(cfg: dict, *, run_dir: Path, log_path: Path) -> ServerSpec:
         ]  # fmt: skip
         if not server["batch_invariant"]:
             argv.append("--no-batch-invariant")
-        if cfg.get("aux_layers") is not None:
-            argv += ["--aux-layers", json.dumps(cfg["aux_layers"])]
+        if layers is not None:
+            argv += ["--aux-layers", json.dumps(layers)]
     else:
         from hsextract.sglang.launch import build_launch
 

@@ -83,7 +83,27 @@ def merge_and_shuffle(sm: Any) -> None:
     log.info(
         "merged: %s", json.dumps({k: v for k, v in stats.items() if not isinstance(v, dict | list)})
     )
+    if stats["rejected"]:
+        _warn_rejects(stats, Path(sm.output.rejects))
     write_settings(Path(sm.output.settings), sm.params.settings)
+
+
+def _warn_rejects(stats: dict, rejects_path: Path) -> None:
+    """Rejects within merge.max_reject_fraction still reach the terminal, with the first
+    few lines' file, line and reason: a silently smaller dataset is a surprise later."""
+    from itertools import islice
+
+    from hsextract.records import reject_examples
+
+    with open(rejects_path) as f:
+        first = [json.loads(line) for line in islice(f, 20)]
+    msg = (
+        f"{stats['rejected']} of {stats['records_in']} records rejected, within "
+        f"merge.max_reject_fraction: {reject_examples(first, total=stats['rejected'])}; all in "
+        f"{rejects_path}"
+    )
+    log.warning("%s", msg)
+    sys.__stderr__.write(f"hsextract [merge_and_shuffle]: {msg}\n")
 
 
 def split_chunks(sm: Any) -> None:
@@ -239,6 +259,18 @@ def gpu_gate(sm: Any) -> None:
     from hsextract.gpu import gate
 
     cfg = sm.config
+    if getattr(sm.params, "per_node", False):
+        # The head node of a cluster run has no GPU of the run: each node allocation
+        # gates its own before its server starts (ensure() runs _gate_for's check).
+        report = {
+            "ok": True,
+            "per_node": True,
+            "gpus": [],
+            "message": "chunk jobs run on cluster nodes: each node allocation checks its "
+            "GPUs before it starts its server",
+        }
+        write_json(Path(sm.output.state), report)
+        return
     report = gate(
         cfg["gpu"]["max_used_mib"], cfg["gpu"]["wait_s"], require_nvml=cfg["engine"] == "sglang"
     )
@@ -248,11 +280,37 @@ def gpu_gate(sm: Any) -> None:
 
 
 def _gate_for(cfg: dict):
+    """What must hold on this node before an SGLang server starts here: its GPUs are
+    clean, and with ``capture: patch`` the SGLang it will run is patched.  On a cluster the
+    head node patched the env it sees; a node whose env is another one (node-local) fails
+    here in seconds, not after a model load that would dump nothing."""
     if cfg["engine"] != "sglang":
         return None
     from hsextract.gpu import gate
 
-    return lambda: gate(cfg["gpu"]["max_used_mib"], cfg["gpu"]["wait_s"], require_nvml=True)
+    def check() -> None:
+        gate(cfg["gpu"]["max_used_mib"], cfg["gpu"]["wait_s"], require_nvml=True)
+        if cfg.get("capture", "patch") == "patch":
+            _verify_patch_here(cfg)
+
+    return check
+
+
+def _verify_patch_here(cfg: dict) -> None:
+    import socket
+
+    from hsextract.sglang import patching
+
+    root = _installed_sglang_root(cfg)
+    try:
+        patching.verify(root)
+    except patching.PatchError as exc:
+        raise patching.PatchError(
+            f"on {socket.gethostname()}: {exc}. This node's SGLang ({root}) is not the "
+            "patched one: share one env on the cluster's filesystem (the head node "
+            f"patches it), run `hsextract patch apply --sglang-root {root}` on every node, "
+            "or use capture: hooks"
+        ) from exc
 
 
 def _export_api_key(cfg: dict) -> None:
@@ -267,14 +325,66 @@ def ensure_server(cfg: dict) -> dict:
 
     rd = run_dir(cfg)
     _export_api_key(cfg)
-    spec = server.build_spec(cfg, run_dir=rd, log_path=rd / "logs" / "server.log")
+    spec = server.build_spec(cfg, run_dir=rd, log_path=_server_log(rd))
+    gate = _gate_for(cfg)
+    if os.environ.get("SLURM_JOB_ID"):
+        gate = _with_node_cleanup(gate, Path(spec.dump_dir), rd / "state")
     return server.ensure(
         spec,
         rd / "state",
-        gate=_gate_for(cfg),
+        gate=gate,
         probes=int(cfg["server"]["health_probes"]),
         interval_s=float(cfg["server"]["probe_interval_s"]),
     )
+
+
+def _with_node_cleanup(gate, dump: Path, state_dir: Path):
+    """Before an allocation's server starts: clear what a cancelled allocation of this run
+    left in this node's dump dir (its in-flight pieces, up to dump.shm_budget_gb of RAM).
+
+    Stale deletion runs on the head node and never sees a compute node's /dev/shm; the
+    next allocation of the run on the node does it here, under ensure()'s lock.  Not while
+    another server of this run on this host is alive (a shared node, or several slurmd on
+    one host): the pieces may be its own.
+    """
+    import contextlib
+    import socket
+
+    from hsextract import server, stale
+
+    def check() -> None:
+        if gate is not None:
+            gate()
+        ours = server.live_path(state_dir)
+        if ours.exists():
+            return  # a relaunch mid-chunk: the pieces of our finished requests are needed
+        for path in Path(state_dir).glob(f"server.{socket.gethostname()}*.live.json"):
+            other = server.read_json(path)
+            if other and server.pid_alive(other.get("pid")):
+                return
+        if not dump.is_dir() or dump.is_symlink() or dump.stat().st_uid != os.getuid():
+            return
+        # Request dirs only: the dot entries are the marker (and its temp file while
+        # another allocation on this host starts its server now, not yet live), the
+        # ledger, which heals itself, and the tombstones.  A server that is not live has
+        # no client, so no request dir here is in use.
+        dev = dump.stat().st_dev
+        for entry in os.scandir(dump):
+            if not entry.name.startswith("."):
+                with contextlib.suppress(FileNotFoundError):
+                    stale._remove_tree(Path(entry.path), dev)
+
+    return check
+
+
+def _server_log(rd: Path) -> Path:
+    """logs/server.log; one per allocation inside a SLURM job (logs/servers/<host>.job<N>.log):
+    64 nodes appending to one file on a shared filesystem would interleave their lines."""
+    from hsextract import server
+
+    if os.environ.get("SLURM_JOB_ID"):
+        return rd / "logs" / "servers" / f"{server.host_key()}.log"
+    return rd / "logs" / "server.log"
 
 
 def check_sglang_command(cfg: dict, argv: list[str]) -> dict:
@@ -308,7 +418,15 @@ def launch_server(sm: Any) -> None:
     todo = [
         s.chunk for s in chunk_states(rd, Path(sm.input.index), fingerprint(cfg)) if not s.current
     ]
-    if todo:
+    if todo and getattr(sm.params, "per_node", False):
+        state = {
+            "started": False,
+            "reason": "chunk jobs run on cluster nodes: each node allocation starts its own "
+            "server (its first chunk job, through ensure())",
+            "spec": asdict(spec),
+        }
+        log.info("cluster run: the head node starts no server; each node allocation does")
+    elif todo:
         state = ensure_server(cfg)
         log.info("server healthy at %s (pid %s)", state["url"], state["pid"])
     else:
@@ -335,6 +453,9 @@ def extract_chunk(sm: Any) -> None:
     from hsextract.client import extract_chunk as extract
 
     cfg = sm.config
+    # Where the chunk ran: on a cluster, the node and SLURM job whose server it used
+    # (logs/servers/<this>.log); a cancelled allocation's chunks are found by it.
+    log.info("chunk job on %s", server.host_key())
     recorded = (server.read_json(Path(sm.input.server)) or {}).get("spec")
     want = launch_settings(cfg)
     if recorded is not None and recorded.get("settings") != want:
@@ -369,4 +490,20 @@ def manifest(sm: Any) -> None:
         index=Path(sm.input.index),
         out=Path(sm.output.manifest),
         cfg=sm.config,
+    )
+
+
+def report_figures(sm: Any) -> None:
+    from hsextract.report import make_all
+
+    make_all(
+        manifest=Path(sm.input.manifest),
+        stats=Path(sm.input.stats),
+        gate=Path(sm.input.gate),
+        patch=Path(sm.input.patch),
+        server=Path(sm.input.server),
+        out={
+            k: Path(getattr(sm.output, k))
+            for k in ("lengths", "rejects", "chunks", "activations", "run")
+        },
     )

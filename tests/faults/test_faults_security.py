@@ -25,12 +25,13 @@ KEY = "hsx-test-key-5f1c9a"
 
 def test_non_loopback_host_needs_allow_remote_and_an_api_key(tmp_path):
     base = {"host": "127.0.0.1", "allow_remote": False, "api_key": None}
-    check_semantics({"server": base})  # loopback: fine
+    own = {"inputs": ["shards/*.jsonl"]}  # the rest of a valid config: one's own data
+    check_semantics({"server": base, **own})  # loopback: fine
     with pytest.raises(ConfigError, match="allow_remote"):
         check_semantics({"server": {**base, "host": "0.0.0.0"}})
     with pytest.raises(ConfigError, match="api_key is required"):
         check_semantics({"server": {**base, "host": "10.1.2.3", "allow_remote": True}})
-    check_semantics({"server": {"host": "10.1.2.3", "allow_remote": True, "api_key": KEY}})
+    check_semantics({"server": {"host": "10.1.2.3", "allow_remote": True, "api_key": KEY}, **own})
 
     # The same refusal from the workflow, before anything runs (`snakemake -n`).
     def plan(**server) -> subprocess.CompletedProcess:

@@ -236,13 +236,23 @@ def _hf_states(model_dir: Path, dtype: torch.dtype, records: list[dict]) -> dict
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).cuda().eval()
     layers = int(model.config.num_hidden_layers)
     out = {}
+    # The final norm's input: the stream "entering layer L", what prenorm_final captures.
+    prenorm: list[torch.Tensor] = []
+    hook = model.model.norm.register_forward_pre_hook(lambda _m, a: prenorm.append(a[0]))
     for r in records:
         ids = torch.tensor([r["input_ids"]], device="cuda")
+        prenorm.clear()
         res = model.model(ids, output_hidden_states=True)
         hs = res.hidden_states
         assert len(hs) == layers + 1, f"{len(hs)} hidden states for {layers} layers"
         entering = [h[0].float().cpu() for h in hs[:layers]]
-        out[r["id"]] = [*entering, res.last_hidden_state[0].float().cpu()]
+        # Index L: the pre-norm state; the last: the final post-norm state.
+        out[r["id"]] = [
+            *entering,
+            prenorm[0][0].float().cpu(),
+            res.last_hidden_state[0].float().cpu(),
+        ]
+    hook.remove()
     del model
     torch.cuda.empty_cache()
     return out
@@ -297,6 +307,10 @@ def compare_run(
                 hf16.add(f"aux {layer}", want16[layer][:n], want32[layer][:n])
             sg.add("final", rec["hidden_states"], want32[-1][:n])
             hf16.add("final", want16[-1][:n], want32[-1][:n])
+            if reader.prenorm:  # prenorm_final: index L, HF's final-norm input
+                at = int(reader.metadata["num_layers"])
+                sg.add("prenorm", rec["prenorm_hidden_states"], want32[at][:n])
+                hf16.add("prenorm", want16[at][:n], want32[at][:n])
             seen += 1
     return sg, hf16, seen
 

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from hsextract.capture import AUX_LAYERS_ENV, DumpWriter, get_writer
-from hsextract.convention import default_aux_layers
+from hsextract.convention import default_aux_layers, prenorm_layer
 
 #: The inner model (``DeepseekV2Model``, ``LlamaModel`` ...) is ``self.model`` of the
 #: ``*ForCausalLM``; its final norm is ``model.norm``, layer i's ``model.layers.i``.
@@ -84,12 +84,38 @@ class _Collector:
 
 
 class ForwardDump:
-    """One EXTEND forward on the dumping rank: collect the aux layers, then write once."""
+    """One EXTEND forward on the dumping rank: collect the aux layers, then write once.
 
-    def __init__(self, writer: DumpWriter, layers: Sequence[int]) -> None:
+    Aux index ``prenorm_index`` (L, when asked for: ``prenorm_final``) is the stream after
+    the last layer, before the final norm; the patch hands it over through :meth:`prenorm`
+    (0.5.14) or :meth:`prenorm_capture` (0.5.23's final-norm capture callback).
+    """
+
+    def __init__(
+        self, writer: DumpWriter, layers: Sequence[int], prenorm_index: int | None = None
+    ) -> None:
         self.writer = writer
         self.layers = list(layers)
         self.collectors: dict[int, _Collector] = {}
+        self.prenorm_index = prenorm_index if prenorm_index in self.layers else None
+        self.prenorm_value: torch.Tensor | None = None
+
+    def prenorm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
+        """Before ``norm(hidden, residual)``: its fused add is ``hidden + residual``, one
+        rounding of the exact sum, which a separate add reproduces bit for bit."""
+        if self.prenorm_index is not None:
+            self.prenorm_value = hidden.clone() if residual is None else hidden + residual
+
+    def prenorm_capture(self) -> Callable[[torch.Tensor], None] | None:
+        """The ``capture=`` of 0.5.23's ``final_norm``: it hands over the updated residual,
+        borrowed (so it is copied)."""
+        if self.prenorm_index is None:
+            return None
+
+        def take(residual: torch.Tensor) -> None:
+            self.prenorm_value = residual.clone()
+
+        return take
 
     def collector(self, layer_id: int, own: Any) -> Any:
         """What to pass as ``captured_last_layer_outputs`` of layer ``layer_id``."""
@@ -107,14 +133,15 @@ class ForwardDump:
     ) -> None:
         """Hand the batch to the dump writer; ``aux`` defaults to what the collectors got."""
         if aux is None:
-            missing = [
-                i for i in self.layers if getattr(self.collectors.get(i), "value", None) is None
-            ]
+            got = {i: getattr(c, "value", None) for i, c in self.collectors.items()}
+            if self.prenorm_index is not None:
+                got[self.prenorm_index] = self.prenorm_value
+            missing = [i for i in self.layers if got.get(i) is None]
             if missing:
                 # Loud, not a silent gap the client would wait on forever: layers run through
                 # two-batch overlap's stage path never see a collector.
                 raise RuntimeError(f"hsextract: aux layers {missing} were not captured")
-            aux = [self.collectors[i].value for i in self.layers]  # type: ignore[misc]
+            aux = [got[i] for i in self.layers]  # type: ignore[misc]
         prefix, extend = forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu
         if prefix is None or extend is None:
             raise RuntimeError("hsextract: batch has no host-side extend lens (GPU-only metadata)")
@@ -135,13 +162,19 @@ def begin_forward(model: Any, forward_batch: Any, *, tp_rank: int) -> ForwardDum
     writer = get_writer()
     if writer is None:
         return None
-    layers = _layers_for(writer, int(model.config.num_hidden_layers))
-    bad = [i for i in layers if not model.start_layer <= i < model.end_layer]
+    n_layers = int(model.config.num_hidden_layers)
+    layers = _layers_for(writer, n_layers)
+    # Index L (before the final norm) is taken after the loop, on the stage that ends it.
+    bad = [
+        i
+        for i in layers
+        if not (model.start_layer <= i < model.end_layer or i == n_layers == model.end_layer)
+    ]
     if bad:
         raise ValueError(
             f"hsextract: aux layers {bad} outside layers [{model.start_layer}, {model.end_layer})"
         )
-    return ForwardDump(writer, layers)
+    return ForwardDump(writer, layers, prenorm_layer(n_layers))
 
 
 # --------------------------------------------------------------------------- hooks: layernorm
@@ -154,10 +187,12 @@ class _Stash:
     def __init__(self) -> None:
         self.aux: dict[int, torch.Tensor] = {}
         self.final: torch.Tensor | None = None
+        self.prenorm: torch.Tensor | None = None
 
     def clear(self) -> None:
         self.aux.clear()
         self.final = None
+        self.prenorm = None
 
 
 _STASH = _Stash()
@@ -186,11 +221,25 @@ def _final_hook(module: Any, args: tuple[Any, ...], output: Any) -> None:
     _STASH.final = output[0] if isinstance(output, tuple) else output
 
 
+def _prenorm_hook(tp_rank: Callable[[], int]) -> Callable[..., None]:
+    """On the final norm, for aux index L: its fused add's updated residual (the stream
+    before the norm), or its input when it was called without a residual."""
+
+    def hook(module: Any, args: tuple[Any, ...], output: Any) -> None:
+        if tp_rank() != 0:
+            return
+        stream = output[1] if isinstance(output, tuple) and len(output) > 1 else args[0]
+        _STASH.prenorm = stream.detach().clone()
+
+    return hook
+
+
 def _write_hook(
     config: dict[str, Any], tp_rank: Callable[[], int]
 ) -> Callable[[Any, tuple[Any, ...], Any], None]:
     layers = list(config["aux_layers"])
     dump_dir = config.get("dump_dir")
+    prenorm = config.get("prenorm_layer")
 
     def hook(module: Any, args: tuple[Any, ...], output: Any) -> None:
         try:
@@ -204,7 +253,10 @@ def _write_hook(
             writer = get_writer(dump_dir, layers)
             if writer is None:
                 return
-            missing = [i for i in layers if i not in _STASH.aux]
+            got = dict(_STASH.aux)
+            if prenorm is not None and _STASH.prenorm is not None:
+                got[prenorm] = _STASH.prenorm
+            missing = [i for i in layers if i not in got]
             if missing or _STASH.final is None:
                 raise RuntimeError(
                     f"hsextract hook: this forward never called the input_layernorm of aux "
@@ -212,10 +264,10 @@ def _write_hook(
                     "all-reduce + norm kernel bypasses them: disable it, or use capture: patch"
                 )
             n = int(input_ids.shape[0])
-            rows = {_STASH.final.shape[0], *(_STASH.aux[i].shape[0] for i in layers)}
+            rows = {_STASH.final.shape[0], *(got[i].shape[0] for i in layers)}
             if rows != {n}:
                 raise RuntimeError(f"hsextract hook: captured rows {rows} for {n} tokens")
-            aux = [_STASH.aux[i] for i in layers]
+            aux = [got[i] for i in layers]
             ForwardDump(writer, layers).write(forward_batch, input_ids, _STASH.final, aux)
         finally:
             _STASH.clear()  # decode passes too: nothing of one forward leaks into the next
@@ -235,33 +287,44 @@ def make_dump_hook(config: dict[str, Any], *, tp_rank: Callable[[], int]) -> Cal
     """
     configured = config.get("aux_layers")
     dump_dir = config.get("dump_dir")
+    prenorm = config.get("prenorm_layer")  # index L: taken by the final norm's hook
 
     def hook(module: Any, args: tuple[Any, ...], output: Any) -> None:
-        if len(args) < 3:
-            raise RuntimeError(
-                "hsextract hook: expected (input_ids, positions, forward_batch, ...)"
+        try:
+            if len(args) < 3:
+                raise RuntimeError(
+                    "hsextract hook: expected (input_ids, positions, forward_batch, ...)"
+                )
+            input_ids, forward_batch = args[0], args[2]
+            if not _dumping_forward(forward_batch, tp_rank(), module):
+                return None
+            writer = get_writer(dump_dir, configured)
+            if writer is None:
+                return None
+            layers = (
+                list(configured)
+                if configured is not None
+                else _layers_for(writer, int(module.config.num_hidden_layers))
             )
-        input_ids, forward_batch = args[0], args[2]
-        if not _dumping_forward(forward_batch, tp_rank(), module):
-            return None
-        writer = get_writer(dump_dir, configured)
-        if writer is None:
-            return None
-        layers = (
-            list(configured)
-            if configured is not None
-            else _layers_for(writer, int(module.config.num_hidden_layers))
-        )
-        if list(module.layers_to_capture) != layers or not isinstance(output, tuple):
-            raise RuntimeError(
-                f"hsextract hook: server captures layers {list(module.layers_to_capture)}, "
-                f"the dump needs {layers}; launch with --enable-return-aux-hidden-states "
-                "--speculative-algorithm EAGLE3 and the matching layer ids"
-            )
-        hidden, packed = output
-        aux = list(packed.chunk(len(layers), dim=-1))  # packed is [T, k*H] in layer order
-        ForwardDump(writer, layers).write(forward_batch, input_ids, hidden, aux)
-        return None  # never replace the model's output
+            sglang_layers = [i for i in layers if i != prenorm]
+            if list(module.layers_to_capture) != sglang_layers or not isinstance(output, tuple):
+                raise RuntimeError(
+                    f"hsextract hook: server captures layers {list(module.layers_to_capture)},"
+                    f" the dump needs {sglang_layers}; launch with "
+                    "--enable-return-aux-hidden-states --speculative-algorithm EAGLE3 and the "
+                    "matching layer ids"
+                )
+            hidden, packed = output
+            # packed is [T, k*H] in layer order
+            aux = list(packed.chunk(len(sglang_layers), dim=-1))
+            if prenorm is not None:
+                if _STASH.prenorm is None:
+                    raise RuntimeError("hsextract hook: the final norm's hook saw no stream")
+                aux.append(_STASH.prenorm)
+            ForwardDump(writer, layers).write(forward_batch, input_ids, hidden, aux)
+            return None  # never replace the model's output
+        finally:
+            _STASH.clear()
 
     return hook
 
@@ -278,6 +341,8 @@ def make_hook(config: dict[str, Any], *, tp_rank: Callable[[], int]) -> Callable
         return _aux_hook(int(config["layer"]), tp_rank)
     if role == "final":
         return _final_hook
+    if role == "prenorm":
+        return _prenorm_hook(tp_rank)
     if role == "write":
         return _write_hook(config, tp_rank)
     if role == "aux_capture":
@@ -293,13 +358,17 @@ def dump_hook_factory(config: dict[str, Any]) -> Callable[..., None]:
 
 
 def forward_hooks_spec(
-    design: str, aux_layers: Sequence[int] | None, dump_dir: str | None = None
+    design: str,
+    aux_layers: Sequence[int] | None,
+    dump_dir: str | None = None,
+    prenorm_index: int | None = None,
 ) -> str:
     """The ``--forward-hooks`` JSON value (SGLang's spec keys: name, target_modules, ...).
 
     ``layernorm`` needs the aux layers by number (from the config or the model's
     config.json, see ``launch``).  The writer hooks the inner model, so it runs after the
-    forward, when every norm of the pass has been called.
+    forward, when every norm of the pass has been called.  With ``prenorm_index`` (L, in
+    ``aux_layers``: ``prenorm_final``) a hook on the final norm takes the stream before it.
     """
 
     def spec(name: str, target: str, **config: Any) -> dict[str, Any]:
@@ -310,17 +379,34 @@ def forward_hooks_spec(
             "config": {**config, "dump_dir": dump_dir},
         }
 
+    final_norm = f"{HOOK_TARGET_MODULE}.norm"
+    prenorm = (
+        [spec("prenorm", final_norm, role="prenorm")]
+        if prenorm_index is not None and aux_layers is not None and prenorm_index in aux_layers
+        else []
+    )
+    pn = {"prenorm_layer": prenorm_index} if prenorm else {}
     if design == "aux_capture":
         layers = list(aux_layers) if aux_layers is not None else None
-        specs = [spec("dump", HOOK_TARGET_MODULE, role="aux_capture", aux_layers=layers)]
+        specs = [
+            *prenorm,
+            spec("dump", HOOK_TARGET_MODULE, role="aux_capture", aux_layers=layers, **pn),
+        ]
     elif design == "layernorm":
         if aux_layers is None:
             raise ValueError("hooks design 'layernorm' needs the aux layers by number")
         specs = [spec("begin", f"{HOOK_TARGET_MODULE}.embed_tokens", role="begin")]
         norm = f"{HOOK_TARGET_MODULE}.layers.{{}}.input_layernorm"
-        specs += [spec(f"aux-{i}", norm.format(i), role="aux", layer=i) for i in aux_layers]
-        specs.append(spec("final", f"{HOOK_TARGET_MODULE}.norm", role="final"))
-        specs.append(spec("write", HOOK_TARGET_MODULE, role="write", aux_layers=list(aux_layers)))
+        specs += [
+            spec(f"aux-{i}", norm.format(i), role="aux", layer=i)
+            for i in aux_layers
+            if i != prenorm_index
+        ]
+        specs.append(spec("final", final_norm, role="final"))
+        specs += prenorm
+        specs.append(
+            spec("write", HOOK_TARGET_MODULE, role="write", aux_layers=list(aux_layers), **pn)
+        )
     else:
         raise ValueError(f"unknown hooks design {design!r}")
     return json.dumps(specs, separators=(",", ":"))

@@ -27,8 +27,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hsextract.config import is_loopback, read_model_config
-from hsextract.convention import default_aux_layers
+from hsextract.config import captured_layers, is_loopback, read_model_config
+from hsextract.convention import prenorm_layer
 from hsextract.errors import ConfigError
 from hsextract.sglang import versions
 from hsextract.sglang.versions import SglangVersion
@@ -236,12 +236,18 @@ def validate_sglang_config(cfg: dict, rel: SglangVersion | None = None) -> None:
 
 
 def _aux_layers(cfg: dict) -> list[int] | None:
-    """Configured layers, else the EAGLE-3 default from the model's config.json if readable."""
-    if cfg.get("aux_layers") is not None:
-        return list(cfg["aux_layers"])
+    """What the dump holds (configured or EAGLE-3 default layers, then index L with
+    ``prenorm_final``), from the model's config.json if readable."""
     try:
-        return default_aux_layers(int(read_model_config(cfg)["num_hidden_layers"]))
-    except (OSError, ValueError, KeyError, TypeError):
+        return captured_layers(cfg, int(read_model_config(cfg)["num_hidden_layers"]))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        if cfg.get("prenorm_final"):
+            raise ConfigError(
+                f"prenorm_final needs the layer count from {cfg['model']['path']}/config.json "
+                f"here: {exc}"
+            ) from exc
+        if cfg.get("aux_layers") is not None:
+            return list(cfg["aux_layers"])
         return None  # the server applies the same default from the loaded model
 
 
@@ -301,7 +307,12 @@ def build_launch(
             )
         # The dump dir travels in the hooks' config, not SGLANG_HS_DUMP_DIR: a patched
         # install (one env for both modes) would otherwise dump every pass twice.
-        argv += ["--forward-hooks", forward_hooks_spec(rel.hooks, layers, dump_dir)]
+        prenorm = (
+            prenorm_layer(int(read_model_config(cfg)["num_hidden_layers"]))
+            if (cfg.get("prenorm_final"))
+            else None
+        )
+        argv += ["--forward-hooks", forward_hooks_spec(rel.hooks, layers, dump_dir, prenorm)]
     argv += list(sg["extra_args"])
     pythonpath = _src_dir()
     if os.environ.get("PYTHONPATH"):

@@ -1,0 +1,220 @@
+"""Figures and tables for ``snakemake --report``: what a user checks before training.
+
+From files the run already wrote (no tensor is read): the merge's ``stats.json`` (length
+histogram, rejects by reason), each chunk's sidecar (tokens/s, bytes, seconds, and the
+activation statistics sampled while packing, :mod:`hsextract.stats`), the state files
+(GPU gate, patch, server launch record) and the manifest.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: a rule has no display
+
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _save(fig, path: Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.png")
+    fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def lengths_figure(stats: dict, out: Path) -> None:
+    """Record lengths after the merge (log2 bins), and the cut at max_seq_len."""
+    bins = stats.get("length_histogram") or []
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    labels = [f"{b['lo']}" if b["lo"] == b["hi"] else f"{b['lo']}-{b['hi']}" for b in bins]
+    ax.bar(range(len(bins)), [b["count"] for b in bins], color="#4477aa")
+    ax.set_xticks(range(len(bins)), labels, rotation=45, ha="right", fontsize=8)
+    ax.set_xlabel("tokens per record")
+    ax.set_ylabel("records")
+    length = stats.get("length", {})
+    ax.set_title(
+        f"{stats.get('records_out', 0)} records, {stats.get('tokens_out', 0)} tokens; "
+        f"p50 {length.get('p50', 0):.0f}, p99 {length.get('p99', 0):.0f}, "
+        f"max {length.get('max', 0)} (max_seq_len {stats.get('params', {}).get('max_seq_len')}); "
+        f"{stats.get('truncated', 0)} truncated",
+        fontsize=9,
+    )
+    _save(fig, out)
+
+
+def rejects_figure(stats: dict, out: Path) -> None:
+    """Rejected input lines by reason (an empty chart says so, rather than vanishing)."""
+    reasons = stats.get("rejected_by_reason") or {}
+    fig, ax = plt.subplots(figsize=(7, 2.6))
+    if reasons:
+        names = sorted(reasons, key=reasons.get, reverse=True)
+        ax.barh(names, [reasons[n] for n in names], color="#cc6677")
+        ax.invert_yaxis()
+        ax.set_xlabel("lines rejected")
+    else:
+        ax.text(0.5, 0.5, "no input line rejected", ha="center", va="center", fontsize=12)
+        ax.set_axis_off()
+    ax.set_title(
+        f"rejected {stats.get('rejected', 0)} of {stats.get('records_in', 0)} lines "
+        f"({100 * stats.get('reject_fraction', 0):.2f} %; limit "
+        f"{100 * stats.get('params', {}).get('max_reject_fraction', 0):.0f} %), "
+        f"{stats.get('dropped_over_length', 0)} dropped over length",
+        fontsize=9,
+    )
+    _save(fig, out)
+
+
+def chunks_figure(sidecars: list[dict], out: Path) -> None:
+    """Per chunk: tokens/s, seconds and bytes on disk (with the states' raw size)."""
+    names = [s["chunk"].removeprefix("chunk_") for s in sidecars]
+    x = range(len(sidecars))
+    fig, axes = plt.subplots(3, 1, figsize=(8, 6.5), sharex=True)
+    axes[0].bar(x, [s["tokens_per_s"] for s in sidecars], color="#228833")
+    axes[0].set_ylabel("tokens/s")
+    axes[1].bar(x, [s["seconds"] for s in sidecars], color="#ccbb44")
+    axes[1].set_ylabel("seconds")
+    mib = 2**20
+    axes[2].bar(x, [s.get("states_raw_bytes", s["bytes"]) / mib for s in sidecars],
+                color="#bbbbbb", label="states, uncompressed")  # fmt: skip
+    axes[2].bar(x, [s["bytes"] / mib for s in sidecars], color="#4477aa", width=0.5,
+                label=f"file ({sidecars[0].get('codec', 'none') if sidecars else ''})")  # fmt: skip
+    axes[2].set_ylabel("MiB")
+    axes[2].legend(fontsize=8)
+    axes[2].set_xticks(list(x), names, rotation=90, fontsize=7)
+    axes[2].set_xlabel("chunk")
+    total_t = sum(s["tokens"] for s in sidecars)
+    total_s = sum(s["seconds"] for s in sidecars)
+    axes[0].set_title(
+        f"{len(sidecars)} chunks, {total_t} tokens in {total_s:.1f} s of extraction "
+        f"({total_t / total_s if total_s else 0:.0f} tokens/s overall)",
+        fontsize=9,
+    )
+    _save(fig, out)
+
+
+def all_zero_layers(sidecars: list[dict]) -> list[str]:
+    """Captured layers whose sampled values are all zero in every chunk: a broken capture."""
+    stats = [s["activation_stats"] for s in sidecars if s.get("activation_stats")]
+    if not stats:
+        return []
+    return [n for n in stats[0]["layers"] if all((s["layers"][n]["rms"] or 0) == 0 for s in stats)]
+
+
+def activations_figure(sidecars: list[dict], out: Path) -> None:
+    """Per captured layer, RMS and max |x| across chunks (log scale): a layer of zeros or
+    one that explodes stands out at once."""
+    stats = [s.get("activation_stats") for s in sidecars]
+    stats = [s for s in stats if s]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    if not stats:
+        for ax in axes:
+            ax.text(0.5, 0.5, "no activation statistics (chunks from before hsextract "
+                    "recorded them)", ha="center", va="center", fontsize=8, wrap=True)  # fmt: skip
+            ax.set_axis_off()
+        _save(fig, out)
+        return
+    layers = list(stats[0]["layers"])
+    for ax, key, title in ((axes[0], "rms", "RMS"), (axes[1], "max_abs", "max |x| (sampled)")):
+        for name in layers:
+            ys = [s["layers"][name][key] for s in stats if s["layers"].get(name)]
+            ys = [max(y, 1e-12) if y is not None else float("nan") for y in ys]
+            ax.plot(range(len(ys)), ys, marker="o", ms=3, label=name)
+        ax.set_yscale("log")
+        ax.set_xlabel("chunk")
+        ax.set_xticks(range(len(stats)), [s["chunk"].removeprefix("chunk_") for s in sidecars
+                      if s.get("activation_stats")], rotation=90, fontsize=7)  # fmt: skip
+        ax.set_title(title, fontsize=9)
+    zero = all_zero_layers(sidecars)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(
+        f"every {stats[0]['sample_every']}th token of every piece"
+        + (f"; ALL-ZERO layers: {', '.join(zero)}" if zero else "; no layer is all zeros"),
+        fontsize=9,
+    )
+    _save(fig, out)
+
+
+def run_table(manifest: dict, gate: dict, patch: dict, server: dict, out: Path) -> None:
+    """Versions, the server command, the GPU gate's readings: one HTML page."""
+
+    def row(k: str, v: object) -> str:
+        return f"<tr><th>{html.escape(k)}</th><td><code>{html.escape(str(v))}</code></td></tr>"
+
+    spec = server.get("spec", {})
+    argv = spec.get("argv", [])
+    from hsextract import __version__
+    from hsextract.sglang.launch import redact_argv
+
+    versions = {
+        "hsextract": __version__,
+        "server": server.get("server_version"),
+        "engine": manifest.get("engine"),
+        "codec": manifest.get("codec"),
+        "fingerprint": manifest.get("fingerprint"),
+        "aux layers": manifest.get("aux_layers"),
+        "max_seq_len": manifest.get("max_seq_len"),
+    }
+    gpus = gate.get("gpus") or []
+    gpu_rows = "".join(
+        row(
+            f"GPU {g.get('index')}",
+            f"{g.get('name')} used {g.get('used_mib')} MiB, processes {g.get('processes')}",
+        )  # fmt: skip
+        for g in gpus
+    ) or row("GPUs", gate.get("message", "none"))
+    checks = {v: d.get("verify", d) for v, d in (patch.get("versions") or {}).items()}
+    patch_rows = "".join(
+        row(f"patch {v}", f"{c.get('action')} {c.get('found_sha256')}") for v, c in checks.items()
+    ) or row("patch", patch.get("action", patch))
+    totals = manifest.get("totals", {})
+    body = (
+        "<h3>Run</h3><table>"
+        + "".join(row(k, v) for k, v in versions.items())
+        + row("totals", totals)
+        + "</table><h3>Server command</h3><pre>"
+        + html.escape(" ".join(redact_argv(list(argv))))
+        + "</pre><h3>GPU gate</h3><table>"
+        + row("ok", gate.get("ok"))
+        + gpu_rows
+        + "</table><h3>Patch</h3><table>"
+        + patch_rows
+        + "</table>"
+    )
+    head = (
+        "<!doctype html><html><head><meta charset='utf-8'><title>run</title>"
+        "<style>pre{white-space:pre-wrap;word-break:break-all}th{text-align:left}</style></head>"
+    )
+    page = f"{head}<body>{body}</body></html>"
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(out).with_name(f".{Path(out).name}.tmp")
+    tmp.write_text(page)
+    os.replace(tmp, out)
+
+
+def make_all(
+    *, manifest: Path, stats: Path, gate: Path, patch: Path, server: Path, out: dict[str, Path]
+) -> None:
+    m = json.loads(Path(manifest).read_text())
+    s = json.loads(Path(stats).read_text())
+    root = Path(manifest).parent
+    sidecars = [
+        json.loads((root / c["path"]).with_suffix(".json").read_text()) for c in m["chunks"]
+    ]
+    lengths_figure(s, out["lengths"])
+    rejects_figure(s, out["rejects"])
+    chunks_figure(sidecars, out["chunks"])
+    activations_figure(sidecars, out["activations"])
+    run_table(
+        m,
+        json.loads(Path(gate).read_text()),
+        json.loads(Path(patch).read_text()),
+        json.loads(Path(server).read_text()) if Path(server).exists() else {},
+        out["run"],
+    )

@@ -1,0 +1,541 @@
+"""``hsextract status``: where a run stands, from its files alone; reads, never acts.
+
+A multi-day extraction is watched from another terminal, by a person or a script, so the
+answer comes only from what the run writes anyway (the index, sidecars, state and logs)
+plus one small progress file per chunk in flight.  Nothing here starts, stops or
+relaunches anything, takes a lock a workflow could wait on, or removes a file.
+
+- chunks and tokens: done when the chunk file and its sidecar exist and the sidecar holds
+  the records ``chunks/index.json`` assigns (``plan.chunk_states``, the planner's own
+  test); totals from the index, or ``n_chunks`` before the split has run;
+- rates: tokens over busy time (the union of the chunks' extraction intervals), in a
+  recent window and overall, so idle days between sessions and ``-j N`` both count right;
+- ETA: tokens left over the recent rate, only while a workflow holds the run;
+- server: this host's live state file, its pid and one short ``/health`` probe;
+- last error: the newest ``ERROR``/traceback line in the rules' logs.  Snakemake removes
+  a job's log before running it again, so an error there is its latest attempt's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import math
+import os
+import re
+import socket
+import threading
+import time
+from collections.abc import Set as AbstractSet
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("hsextract")
+
+#: Seconds between rewrites of a chunk's progress file: cheap, yet fresh for a status.
+PROGRESS_INTERVAL_S = 2.0
+#: The recent-rate window (``--window``).
+DEFAULT_WINDOW_S = 300.0
+#: Bytes read from the end of each log when looking for its last error.
+_LOG_TAIL_BYTES = 256 << 10
+_CHUNK_LOG_RE = re.compile(r"extract_chunk_(\d{5})\.log")
+_TRACEBACK = "Traceback (most recent call last):"
+#: logging's format in the rules' logs (``hsextract.smk``): "<date> <time> ERROR message".
+_LOGGED_ERROR = re.compile(r"^\d{4}-\d\d-\d\d [\d:,.]+ (ERROR|CRITICAL) ")
+
+
+def progress_path(chunk_file: Path) -> Path:
+    """``hidden/.chunk_XXXXX.progress.json`` beside ``hidden/chunk_XXXXX.safetensors``.
+
+    A dot file, and no ``chunk_XXXXX.*`` name: nothing that lists chunk files sees it.
+    """
+    chunk_file = Path(chunk_file)
+    return chunk_file.with_name(f".{chunk_file.stem}.progress.json")
+
+
+class ProgressFile:
+    """Tokens done so far by the chunk job in flight, for ``status``.
+
+    A sidecar appears only when a chunk is finished; a chunk of a production run takes
+    tens of minutes, so without this a status could say nothing about the one running.
+    Rewritten atomically at most every ``interval_s`` seconds; removed when the chunk
+    ends either way.  A failure to write it is logged once and never fails the chunk.
+    """
+
+    def __init__(self, chunk_file: Path, interval_s: float = PROGRESS_INTERVAL_S) -> None:
+        self.path = progress_path(chunk_file)
+        self.interval_s = interval_s
+        now = time.time()
+        self.data: dict[str, Any] = {
+            "chunk": Path(chunk_file).stem,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started_at": now,
+            "updated_at": now,
+            "tokens_done": 0,
+            "tokens_total": None,
+            "records_done": 0,
+            "records_total": None,
+        }
+        self._lock = threading.Lock()
+        self._written = 0.0
+        self._broken = False
+        self._write()
+
+    def set_total(self, tokens: int, records: int) -> None:
+        with self._lock:
+            self.data.update(tokens_total=tokens, records_total=records)
+            self._write()
+
+    def add(self, tokens: int) -> None:
+        """One more record done (called from the request threads)."""
+        with self._lock:
+            self.data["tokens_done"] += tokens
+            self.data["records_done"] += 1
+            if time.monotonic() - self._written >= self.interval_s:
+                self._write()
+
+    def remove(self) -> None:
+        with self._lock:
+            self._broken = True  # no write after this
+            with contextlib.suppress(OSError):
+                self.path.unlink(missing_ok=True)
+
+    def _write(self) -> None:
+        if self._broken:
+            return
+        self.data["updated_at"] = time.time()
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.parent.mkdir(parents=True, exist_ok=True)  # as the chunk writer will
+            tmp.write_text(json.dumps(self.data))
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            self._broken = True
+            log.warning("progress file %s not written (%s); status will not see it", tmp, exc)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+        self._written = time.monotonic()
+
+
+# --------------------------------------------------------------------------- the report
+
+
+@dataclass
+class InFlight:
+    chunk: str
+    pid: int | None
+    started_at: float
+    updated_at: float
+    tokens_done: int
+    tokens_total: int | None
+
+
+@dataclass
+class ServerStatus:
+    """This host's extraction server as its live state file and one probe see it."""
+
+    recorded: bool
+    alive: bool = False
+    healthy: bool | None = None
+    url: str | None = None
+    pid: int | None = None
+    started_at: float | None = None
+    state_file: str | None = None
+    other_hosts: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LastError:
+    rule: str
+    chunk: str | None
+    message: str
+    log: str
+    at: float
+
+
+@dataclass
+class Status:
+    run_dir: str
+    fingerprint: str
+    now: float
+    split_done: bool
+    chunks_total: int
+    chunks_done: int
+    tokens_total: int | None
+    tokens_done: int
+    in_flight: list[InFlight]
+    workflow_pids: list[str]
+    recent_tok_s: float | None
+    overall_tok_s: float | None
+    window_s: float
+    eta_s: float | None
+    manifest: bool
+    server: ServerStatus
+    last_error: LastError | None
+
+    @property
+    def finished(self) -> bool:
+        return self.split_done and self.chunks_done == self.chunks_total
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["finished"] = self.finished
+        return out
+
+
+def collect(
+    cfg: dict, *, window_s: float = DEFAULT_WINDOW_S, probe_timeout_s: float = 2.0
+) -> Status:
+    """The status of the config's run dir (which need not exist yet)."""
+    from hsextract.config import fingerprint, run_dir
+    from hsextract.plan import chunk_states
+
+    rd = run_dir(cfg)
+    fp = fingerprint(cfg)
+    now = time.time()
+    hidden = rd / "hidden"
+    index_path = rd / "chunks" / "index.json"
+    index = _read_json(index_path)
+    intervals: list[tuple[float, float, float]] = []  # (start, end, tokens)
+    tokens_done = 0
+    done: set[str] = set()
+    if index is not None:
+        tokens_total: int | None = sum(int(e.get("tokens", 0)) for e in index["chunks"])
+        names = [Path(e["path"]).stem for e in index["chunks"]]
+        tokens_of = {Path(e["path"]).stem: int(e.get("tokens", 0)) for e in index["chunks"]}
+        for state in chunk_states(rd, index_path, fp):
+            if not state.current:
+                continue
+            done.add(state.chunk)
+            tokens_done += tokens_of[state.chunk]
+            span = _chunk_interval(hidden, state.chunk)
+            if span is not None:
+                intervals.append((*span, tokens_of[state.chunk]))
+    else:
+        tokens_total = None
+        names = [f"chunk_{i:05d}" for i in range(int(cfg["n_chunks"]))]
+    in_flight = _in_flight(hidden, set(names) - done)
+    for f in in_flight:
+        tokens_done += f.tokens_done
+        # Busy until now; its tokens were done by its last update.
+        intervals.append((f.started_at, now, 0.0))
+        intervals.append((f.started_at, max(f.updated_at, f.started_at), float(f.tokens_done)))
+    recent = _rate(intervals, now - window_s, now)
+    overall = _rate(intervals, -math.inf, now)
+    pids = _workflow_holders(rd)
+    eta: float | None
+    if index is not None and len(done) == len(names):
+        eta = 0.0
+    elif pids and recent and tokens_total is not None:
+        eta = max(tokens_total - tokens_done, 0) / recent
+    else:
+        eta = None
+    return Status(
+        run_dir=str(rd),
+        fingerprint=fp,
+        now=now,
+        split_done=index is not None,
+        chunks_total=len(names),
+        chunks_done=len(done),
+        tokens_total=tokens_total,
+        tokens_done=tokens_done,
+        in_flight=in_flight,
+        workflow_pids=pids,
+        recent_tok_s=recent,
+        overall_tok_s=overall,
+        window_s=window_s,
+        eta_s=eta,
+        manifest=(rd / "manifest.json").exists(),
+        server=server_status(cfg, rd, timeout_s=probe_timeout_s),
+        last_error=last_error(rd / "logs", done),
+    )
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _chunk_interval(hidden: Path, chunk: str) -> tuple[float, float] | None:
+    """When a finished chunk was extracted: the sidecar's times, else its mtime."""
+    sidecar = hidden / f"{chunk}.json"
+    meta = _read_json(sidecar) or {}
+    try:
+        end = float(meta.get("finished_at") or sidecar.stat().st_mtime)
+        start = float(meta.get("started_at") or end - float(meta.get("seconds", 0.0)))
+    except (OSError, TypeError, ValueError):
+        return None
+    return start, end
+
+
+def _in_flight(hidden: Path, pending: set[str]) -> list[InFlight]:
+    """Chunks whose job is running now: a progress file whose writer is alive.
+
+    A job killed with SIGKILL cannot remove its file; its dead pid tells.  Another host's
+    writer cannot be checked from here, so its file counts while it keeps being updated.
+    """
+    from hsextract.server import pid_alive
+
+    out = []
+    host = socket.gethostname()
+    for name in sorted(pending):
+        data = _read_json(progress_path(hidden / f"{name}.safetensors"))
+        if not isinstance(data, dict):
+            continue
+        try:
+            started, updated = float(data["started_at"]), float(data["updated_at"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if data.get("host") == host:
+            if not pid_alive(data.get("pid")):
+                continue
+        elif time.time() - updated > 10 * PROGRESS_INTERVAL_S + 60:
+            continue
+        out.append(
+            InFlight(
+                chunk=name,
+                pid=data.get("pid"),
+                started_at=started,
+                updated_at=updated,
+                tokens_done=int(data.get("tokens_done") or 0),
+                tokens_total=data.get("tokens_total"),
+            )
+        )
+    return out
+
+
+def _rate(intervals: list[tuple[float, float, float]], lo: float, hi: float) -> float | None:
+    """Tokens per second of busy time within [lo, hi].
+
+    Each interval's tokens count in proportion to its overlap with the window (a chunk
+    is assumed to progress evenly); busy time is the union of the overlaps, so chunks
+    extracted side by side (``-j N``) add their tokens over shared seconds.  None when
+    nothing was busy in the window.
+    """
+    tokens, spans = 0.0, []
+    for start, end, n in intervals:
+        a, b = max(start, lo), min(end, hi)
+        if b < a:
+            continue
+        if end > start:
+            tokens += n * (b - a) / (end - start)
+        else:
+            tokens += n
+        spans.append((a, b))
+    busy, reach = 0.0, -math.inf
+    for a, b in sorted(spans):
+        if a > reach:
+            busy += b - a
+            reach = b
+        elif b > reach:
+            busy += b - reach
+            reach = b
+    if busy <= 0.0:
+        return None
+    return tokens / busy
+
+
+def _workflow_holders(rd: Path) -> list[str]:
+    """Workflows holding the run (``state/active/<host>-<pid>.lock``, flock'ed while alive).
+
+    Probed with a shared non-blocking lock on a read-only fd: never blocks, never creates
+    or removes a lock file (``stale.active_holders`` tidies dead ones; a status must not).
+    """
+    out = []
+    host = socket.gethostname()
+    with contextlib.suppress(OSError):
+        for entry in sorted(os.scandir(rd / "state" / "active"), key=lambda e: e.name):
+            name = entry.name.removesuffix(".lock")
+            lhost, _, pid = name.rpartition("-")
+            if lhost != host:
+                out.append(f"{lhost}:{pid}")  # cannot be checked from here
+            elif _lock_held(entry.path):
+                out.append(pid)
+    return out
+
+
+def _lock_held(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False
+
+
+def server_status(cfg: dict, rd: Path, *, timeout_s: float = 2.0) -> ServerStatus:
+    """This host's live server: recorded?  pid alive?  ``/health`` within ``timeout_s``?"""
+    from hsextract.server import API_KEY_ENV, health, live_path, pid_alive
+
+    state_dir = rd / "state"
+    path = live_path(state_dir)
+    others = sorted(
+        p.name[len("server.") : -len(".live.json")]
+        for p in state_dir.glob("server.*.live.json")
+        if p != path
+    )
+    state = _read_json(path)
+    if not isinstance(state, dict):
+        return ServerStatus(recorded=False, other_hosts=others)
+    out = ServerStatus(
+        recorded=True,
+        url=state.get("url"),
+        pid=state.get("pid"),
+        started_at=state.get("started_at"),
+        state_file=str(path),
+        other_hosts=others,
+    )
+    out.alive = pid_alive(out.pid)
+    if out.alive and out.url:
+        key = cfg.get("server", {}).get("api_key") or os.environ.get(API_KEY_ENV)
+        out.healthy = health(out.url, timeout=timeout_s, api_key=key)
+    return out
+
+
+def last_error(logs: Path, done: AbstractSet[str] = frozenset()) -> LastError | None:
+    """The newest error line of the rules' logs (the server's own log excluded).
+
+    A chunk's log is skipped once the chunk is done: its error is history.
+    """
+    best: LastError | None = None
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(logs):
+            if not entry.name.endswith(".log") or entry.name == "server.log":
+                continue
+            m = _CHUNK_LOG_RE.fullmatch(entry.name)
+            chunk = f"chunk_{m.group(1)}" if m else None
+            if chunk in done:
+                continue
+            try:
+                mtime = entry.stat().st_mtime
+            except OSError:
+                continue
+            if best is not None and mtime <= best.at:
+                continue
+            message = _error_in(Path(entry.path))
+            if message is None:
+                continue
+            rule = "extract_chunk" if m else entry.name.removesuffix(".log")
+            best = LastError(rule=rule, chunk=chunk, message=message, log=entry.path, at=mtime)
+    return best
+
+
+def _error_in(path: Path) -> str | None:
+    """The last error of one log: ``ERROR [rule]: ...`` (an HsextractError: its message
+    says what to do), a logged ERROR, or the exception line that ends a traceback."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - _LOG_TAIL_BYTES))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    found: str | None = None
+    in_traceback = False
+    for raw in re.split(r"[\r\n]+", text):  # \r: the progress bar's redraws
+        line = raw.rstrip()
+        k = line.find("ERROR [")
+        if k >= 0:
+            found = re.sub(r"^ERROR \[[^\]]*\]:\s*", "", line[k:])
+            in_traceback = False
+        elif _LOGGED_ERROR.match(line):
+            found = _LOGGED_ERROR.sub("", line)
+        elif line.startswith(_TRACEBACK):
+            in_traceback = True
+        elif in_traceback and line and not line[0].isspace():
+            # Frames and code are indented; the first line at column 0 is the exception
+            # (or the text that chains to the next traceback).
+            if not line.startswith(("During handling", "The above exception")):
+                found = line
+                in_traceback = False
+    return found[:2000] if found else None
+
+
+# --------------------------------------------------------------------------- text
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def _rate_text(r: float | None) -> str:
+    return "-" if r is None else f"{r:,.0f} tok/s"
+
+
+def render(st: Status) -> str:
+    """The status as a few aligned lines for a person."""
+    lines = [f"run       {st.run_dir} (fingerprint {st.fingerprint})"]
+    if st.workflow_pids:
+        lines.append(f"workflow  running (pid {', '.join(st.workflow_pids)})")
+    else:
+        lines.append("workflow  not running")
+    if not st.split_done:
+        lines.append(
+            f"chunks    0 of {st.chunks_total} done (the data stage has not run yet: "
+            "no chunks/index.json)"
+        )
+    else:
+        pct = 100.0 * st.chunks_done / st.chunks_total if st.chunks_total else 100.0
+        lines.append(f"chunks    {st.chunks_done} of {st.chunks_total} done ({pct:.0f}%)")
+    for f in st.in_flight:
+        total = f"{f.tokens_total:,}" if f.tokens_total is not None else "?"
+        lines.append(
+            f"          {f.chunk} in flight: {f.tokens_done:,} of {total} tokens, "
+            f"for {_duration(st.now - f.started_at)} (pid {f.pid})"
+        )
+    if st.tokens_total is not None:
+        pct = 100.0 * st.tokens_done / st.tokens_total if st.tokens_total else 100.0
+        lines.append(f"tokens    {st.tokens_done:,} of {st.tokens_total:,} ({pct:.1f}%)")
+    lines.append(
+        f"rate      {_rate_text(st.recent_tok_s)} over the last {_duration(st.window_s)}, "
+        f"{_rate_text(st.overall_tok_s)} overall (busy time)"
+    )
+    if st.eta_s == 0.0:
+        extra = "manifest.json written" if st.manifest else "manifest.json not written yet"
+        lines.append(f"eta       0s: every chunk is extracted ({extra})")
+    elif st.eta_s is not None:
+        at = time.strftime("%Y-%m-%d %H:%M", time.localtime(st.now + st.eta_s))
+        lines.append(f"eta       {_duration(st.eta_s)} (about {at}, at the recent rate)")
+    elif not st.workflow_pids:
+        lines.append("eta       - (no workflow is running: `snakemake -j1 extract_all`)")
+    else:
+        lines.append("eta       - (no progress measured yet)")
+    srv = st.server
+    if not srv.recorded:
+        lines.append("server    not running (no live server recorded on this host)")
+    elif not srv.alive:
+        lines.append(f"server    gone: pid {srv.pid} is not running ({srv.state_file})")
+    else:
+        up = f", up {_duration(st.now - srv.started_at)}" if srv.started_at else ""
+        health = "healthy" if srv.healthy else "NOT healthy (/health did not answer 200)"
+        lines.append(f"server    alive and {health}: {srv.url} (pid {srv.pid}{up})")
+    if srv.other_hosts:
+        lines.append(f"          also recorded on host(s): {', '.join(srv.other_hosts)}")
+    err = st.last_error
+    if err is None:
+        lines.append("error     none")
+    else:
+        where = err.chunk or err.rule
+        ago = _duration(max(0.0, st.now - err.at))
+        lines.append(f"error     {where} ({ago} ago, {err.log}):")
+        lines.append(f"          {err.message}")
+    return "\n".join(lines)

@@ -1,0 +1,259 @@
+"""``hsextract status``: a finished run, a run in progress (real Snakemake, a slowed
+reference engine), a failed chunk, and the pieces it is computed from."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from fixtures_demo import make_workdir, run_dir_of, snakemake_cmd
+
+from hsextract import status
+from hsextract.config import load_config
+from hsextract.status import ProgressFile, progress_path
+
+pytestmark = pytest.mark.workflow
+
+SMALL = {"demo.n_records": 24, "n_chunks": 4}
+
+
+def hsx_status(workdir: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hsextract.cli", "status", *args],
+        cwd=workdir, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def status_json(workdir: Path) -> dict:
+    proc = hsx_status(workdir, "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Ctrl-C to the workflow's process group, as a person would; then wait."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_a_finished_run_is_all_done_with_eta_zero(demo_copy):
+    wd = demo_copy["workdir"]
+    st = status_json(wd)
+    manifest = demo_copy["manifest"]
+    n = len(manifest["chunks"])
+    tokens = sum(c["tokens"] for c in manifest["chunks"])
+    assert st["finished"] and st["manifest"]
+    assert (st["chunks_done"], st["chunks_total"]) == (n, n)
+    assert st["tokens_done"] == st["tokens_total"] == tokens
+    assert st["eta_s"] == 0.0 and st["in_flight"] == []
+    assert st["overall_tok_s"] > 0
+    assert st["workflow_pids"] == []
+    assert not st["server"]["alive"] and st["last_error"] is None
+    text = hsx_status(wd).stdout
+    assert f"chunks    {n} of {n} done (100%)" in text
+    assert "eta       0s: every chunk is extracted (manifest.json written)" in text
+    assert "server    not running" in text and "error     none" in text
+
+
+def test_a_run_in_progress_reports_counts_rate_eta_and_its_server(tmp_path):
+    wd = make_workdir(tmp_path / "w", **SMALL)
+    # Every extend pass of every chunk takes 1 s more: each chunk job lasts seconds.
+    slow = {"extend": [{"rid": "chunk_", "do": "slow", "seconds": 1.0}]}
+    proc = subprocess.Popen(
+        snakemake_cmd(wd, "-j1", "extract_all"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "HSEXTRACT_FAULTS": json.dumps(slow)},
+        start_new_session=True,
+    )  # fmt: skip
+    mid = progressed = None
+    try:
+        deadline = time.monotonic() + 400
+        while mid is None:
+            assert proc.poll() is None, "the workflow ended before a mid-run status"
+            assert time.monotonic() < deadline, "never saw some chunks done and one in flight"
+            st = status_json(wd)
+            if any(f["tokens_done"] > 0 for f in st["in_flight"]):
+                progressed = st
+            if 0 < st["chunks_done"] < st["chunks_total"] and st["in_flight"]:
+                mid = st
+            time.sleep(0.3)
+        text = hsx_status(wd).stdout
+        while progressed is None and proc.poll() is None:
+            st = status_json(wd)
+            if any(f["tokens_done"] > 0 for f in st["in_flight"]):
+                progressed = st
+            time.sleep(0.3)
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        _stop(proc)
+    assert proc.returncode == 0, out[-4000:]
+
+    assert mid["chunks_total"] == 4 and not mid["finished"]
+    assert mid["split_done"] and mid["tokens_total"] > mid["tokens_done"] > 0
+    assert mid["recent_tok_s"] > 0 and mid["overall_tok_s"] > 0
+    assert mid["eta_s"] is not None and 0 < mid["eta_s"] < math.inf
+    assert mid["workflow_pids"] and mid["last_error"] is None
+    srv = mid["server"]
+    assert srv["recorded"] and srv["alive"] and srv["healthy"], srv
+    assert srv["url"].startswith("http://127.0.0.1:")
+    (flight,) = mid["in_flight"]
+    assert flight["chunk"].startswith("chunk_") and flight["tokens_total"] > 0
+    assert "workflow  running" in text and "in flight" in text and "alive and healthy" in text
+    # The progress file of the chunk in flight moved before the chunk was done.
+    assert progressed is not None, "no in-flight chunk ever reported tokens done"
+    f = next(f for f in progressed["in_flight"] if f["tokens_done"] > 0)
+    assert 0 < f["tokens_done"] < f["tokens_total"]
+
+    end = status_json(wd)
+    assert end["finished"] and end["eta_s"] == 0.0 and end["in_flight"] == []
+    assert not end["server"]["alive"] and end["workflow_pids"] == []
+    rd = run_dir_of(wd)
+    assert not list((rd / "hidden").glob(".*progress*")), "progress files must go"
+    for sc in (rd / "hidden").glob("chunk_*.json"):
+        meta = json.loads(sc.read_text())
+        assert meta["started_at"] < meta["finished_at"] <= time.time()
+
+
+def test_a_failed_chunk_is_the_last_error_and_leaves_no_progress_file(tmp_path):
+    wd = make_workdir(tmp_path / "w", **SMALL)
+    flip = {"piece": [{"rid": "chunk_00001", "nth": [1], "do": "flip_id"}]}
+    env = {**os.environ, "HSEXTRACT_FAULTS": json.dumps(flip)}
+    proc = subprocess.run(
+        snakemake_cmd(wd, "-j1", "extract_all"), capture_output=True, text=True, env=env,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    st = status_json(wd)
+    err = st["last_error"]
+    assert err["chunk"] == "chunk_00001" and err["rule"] == "extract_chunk", err
+    assert "token parity broken" in err["message"] and err["log"].endswith(
+        "extract_chunk_00001.log"
+    )
+    assert not st["finished"] and st["chunks_done"] < st["chunks_total"]
+    assert st["eta_s"] is None and st["workflow_pids"] == []
+    text = hsx_status(wd).stdout
+    assert "error     chunk_00001 (" in text and "token parity broken" in text
+    assert "no workflow is running" in text
+    assert not progress_path(run_dir_of(wd) / "hidden" / "chunk_00001.safetensors").exists()
+
+
+# --------------------------------------------------------------------------- the pieces
+
+
+def test_rate_counts_busy_time_once_and_windows_proportionally():
+    # Two chunks side by side over [0, 10] (-j 2), 1000 tokens each; then idle; then one
+    # chunk over [100, 110].
+    spans = [(0.0, 10.0, 1000.0), (0.0, 10.0, 1000.0), (100.0, 110.0, 500.0)]
+    assert status._rate(spans, -math.inf, 200.0) == pytest.approx(2500 / 20)
+    assert status._rate(spans, 105.0, 200.0) == pytest.approx(250 / 5)
+    assert status._rate(spans, 50.0, 90.0) is None  # idle: no rate, not zero
+
+
+def test_progress_file_is_rate_limited_atomic_and_removed(tmp_path):
+    chunk = tmp_path / "hidden" / "chunk_00007.safetensors"
+    p = ProgressFile(chunk, interval_s=3600)
+    path = progress_path(chunk)
+    assert path.name == ".chunk_00007.progress.json"
+    p.set_total(100, 4)
+    p.add(10)  # within the interval: kept in memory only
+    data = json.loads(path.read_text())
+    assert (data["tokens_done"], data["tokens_total"], data["pid"]) == (0, 100, os.getpid())
+    p.interval_s = 0
+    p.add(20)
+    assert json.loads(path.read_text())["tokens_done"] == 30
+    assert [q.name for q in path.parent.iterdir()] == [path.name]  # no temp file left
+    p.remove()
+    p.add(5)  # after removal nothing is written again
+    assert not path.exists()
+
+
+def test_progress_file_never_fails_the_chunk(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    p = ProgressFile(blocker / "hidden" / "chunk_00000.safetensors")  # parent is a file
+    p.add(3)
+    p.remove()
+
+
+def test_in_flight_ignores_a_dead_writer(tmp_path):
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    now = time.time()
+    for name, pid in (("chunk_00000", dead.pid), ("chunk_00001", os.getpid())):
+        progress_path(hidden / f"{name}.safetensors").write_text(
+            json.dumps(
+                {
+                    "chunk": name,
+                    "pid": pid,
+                    "host": socket.gethostname(),
+                    "started_at": now - 5,
+                    "updated_at": now,
+                    "tokens_done": 7,
+                    "tokens_total": 9,
+                }
+            )  # fmt: skip
+        )
+    got = status._in_flight(hidden, {"chunk_00000", "chunk_00001", "chunk_00002"})
+    assert [(f.chunk, f.tokens_done) for f in got] == [("chunk_00001", 7)]
+
+
+def test_last_error_reads_hsextract_errors_and_tracebacks(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "extract_chunk_00003.log").write_text(
+        "chunk_00003:  10%|#  | 1/10\rchunk_00003:  20%|##  | 2/10\n"
+        "2026-01-01 10:00:00,000 WARNING retry 1/3\n"
+        "ERROR [extract_chunk]: chunk chunk_00003: gave up after 4 attempts\n"
+    )
+    (logs / "merge_and_shuffle.log").write_text(
+        "Traceback (most recent call last):\n"
+        '  File "x.py", line 1, in <module>\n'
+        "    boom()\n"
+        "    ^^^^^^\n"
+        "ValueError: boom\n"
+    )
+    (logs / "server.log").write_text("ERROR [x]: the server's own log is not a rule's\n")
+    os.utime(logs / "merge_and_shuffle.log", (1, 1))
+    os.utime(logs / "server.log", (2**31, 2**31))
+    err = status.last_error(logs)
+    assert (err.chunk, err.rule) == ("chunk_00003", "extract_chunk")
+    assert err.message == "chunk chunk_00003: gave up after 4 attempts"
+    # A done chunk's log is history; the older traceback is then the last error.
+    err = status.last_error(logs, {"chunk_00003"})
+    assert (err.rule, err.chunk, err.message) == ("merge_and_shuffle", None, "ValueError: boom")
+
+
+def test_status_before_the_data_stage(tmp_path):
+    wd = make_workdir(tmp_path / "w")
+    st = status_json(wd)
+    assert not st["split_done"] and st["chunks_total"] == 4 and st["tokens_total"] is None
+    assert st["eta_s"] is None and not st["finished"]
+    assert "the data stage has not run yet" in hsx_status(wd).stdout
+
+
+def test_status_of_a_copied_run_uses_the_sidecars_times(demo_copy, monkeypatch):
+    """A copy or restore gives the sidecars new mtimes; their own times still give the rate."""
+    rd = demo_copy["run_dir"]
+    for sc in (rd / "hidden").glob("chunk_*.json"):
+        os.utime(sc, (0, 0))
+    monkeypatch.chdir(demo_copy["workdir"])
+    st = status.collect(load_config("config.yaml"))
+    assert st.chunks_done == st.chunks_total and st.eta_s == 0.0
+    metas = [json.loads(sc.read_text()) for sc in (rd / "hidden").glob("*.json")]
+    busy = sum(m["finished_at"] - m["started_at"] for m in metas)  # -j1: no overlap
+    assert st.overall_tok_s == pytest.approx(st.tokens_done / busy, rel=0.01)
