@@ -84,7 +84,7 @@ def active_holders(run_dir: Path, *, exclude_pid: int | None = None) -> list[str
                 continue
             if lhost != host:
                 found.append(f"a workflow on host {lhost} (pid {pid}; {entry.path})")
-            elif _lock_held(entry.path):
+            elif lock_held(entry.path):
                 found.append(f"a running workflow (pid {pid})")
             else:
                 with contextlib.suppress(OSError):
@@ -106,9 +106,13 @@ def active_holders(run_dir: Path, *, exclude_pid: int | None = None) -> list[str
     return found
 
 
-def _lock_held(path: str) -> bool:
+def lock_held(path: str) -> bool:
+    """Whether a process holds a lock on ``path`` (a workflow's ``state/active`` file): a
+    non-blocking exclusive probe, released at once, so it sees shared and exclusive holders;
+    on a read-only fd (Linux's flock needs no write access), so a reader without write
+    permission on the run (``hsextract status``) can ask too."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return False
     try:

@@ -19,7 +19,6 @@ relaunches anything, takes a lock a workflow could wait on, or removes a file.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import math
@@ -344,9 +343,11 @@ def _rate(intervals: list[tuple[float, float, float]], lo: float, hi: float) -> 
 def _workflow_holders(rd: Path) -> list[str]:
     """Workflows holding the run (``state/active/<host>-<pid>.lock``, flock'ed while alive).
 
-    Probed with a shared non-blocking lock on a read-only fd: never blocks, never creates
+    Probed by :func:`hsextract.stale.lock_held`: never blocks, never creates
     or removes a lock file (``stale.active_holders`` tidies dead ones; a status must not).
     """
+    from hsextract.stale import lock_held
+
     out = []
     host = socket.gethostname()
     with contextlib.suppress(OSError):
@@ -355,25 +356,9 @@ def _workflow_holders(rd: Path) -> list[str]:
             lhost, _, pid = name.rpartition("-")
             if lhost != host:
                 out.append(f"{lhost}:{pid}")  # cannot be checked from here
-            elif _lock_held(entry.path):
+            elif lock_held(entry.path):
                 out.append(pid)
     return out
-
-
-def _lock_held(path: str) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-    return False
 
 
 def server_status(cfg: dict, rd: Path, *, timeout_s: float = 2.0) -> ServerStatus:
