@@ -1,0 +1,383 @@
+"""The workflow through Snakemake's SLURM executor, against a real SLURM on this machine.
+
+A module fixture starts munge, slurmctld and two slurmd (nodes n1 and n2, one host:
+``slurmd -N``) on loopback, each node with one fake GPU (a GRES backed by /dev/null), so
+the profile's real GPU request (``--gpus``) is scheduled.  ``profiles/slurm`` runs as it
+ships, with only the sizes a 2-core machine can give changed (``slurm_profile``).  Job
+status is read with squeue (no slurmdbd): MinJobAge is far above the plugin's threshold.
+
+Needs Debian's ``slurm-wlm`` and ``munge`` and root (slurmd runs jobs as their user);
+``.ci/run`` installs them.  Deselect with ``-m 'not slurm'`` where SLURM is absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from fixtures_demo import (
+    REPO,
+    engine_processes,
+    make_workdir,
+    run_dir_of,
+    run_snakemake,
+    snakemake_cmd,
+)
+
+from hsextract.chunks import sha256_file
+
+pytestmark = [pytest.mark.workflow, pytest.mark.slurm]
+
+DAEMONS = ("munged", "slurmctld", "slurmd", "sinfo", "squeue", "scancel", "sbatch")
+NODES = ("n1", "n2")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(predicate, timeout: float, what: str, step: float = 0.2):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def _pid_of(pidfile: Path) -> int | None:
+    try:
+        return int(pidfile.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _slurm(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr}")
+    return proc
+
+
+SLURM_CONF = """\
+ClusterName=hsextract-test
+SlurmctldHost=localhost
+SlurmctldPort={ctld_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={d}/munge/socket
+StateSaveLocation={d}/ctld
+SlurmdSpoolDir={d}/spool/%n
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd.%n.pid
+SlurmctldLogFile={d}/log/slurmctld.log
+SlurmdLogFile={d}/log/slurmd.%n.log
+GresTypes=gpu
+# No cgroups in a container: processes are tracked by parentage, tasks not confined.
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core_Memory
+JobAcctGatherType=jobacct_gather/none
+# No slurmdbd: the plugin reads status with squeue, which knows a finished job for
+# MinJobAge seconds (>= 3 x --slurm-init-seconds-before-status-checks, else sacct).
+AccountingStorageType=accounting_storage/none
+MinJobAge=600
+MpiDefault=none
+ReturnToService=2
+KillWait=5
+InactiveLimit=0
+NodeName=DEFAULT CPUs=2 RealMemory=2000 Gres=gpu:1 State=UNKNOWN
+NodeName=n1 NodeHostname=localhost NodeAddr=127.0.0.1 Port={n1_port}
+NodeName=n2 NodeHostname=localhost NodeAddr=127.0.0.1 Port={n2_port}
+PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory):
+    """munged + slurmctld + slurmd n1, n2 on loopback, torn down (every daemon and job)."""
+    missing = [
+        d for d in DAEMONS if shutil.which(d, path=f"{os.environ['PATH']}:/usr/sbin") is None
+    ]
+    if missing or os.geteuid() != 0:
+        pytest.fail(
+            f"a real SLURM needs root and Debian's slurm-wlm + munge (missing: {missing}, "
+            f"euid {os.geteuid()}): see README's test set-up, or deselect with -m 'not slurm'"
+        )
+    d = tmp_path_factory.mktemp("slurm")
+    for sub in ("munge", "ctld", "log", *(f"spool/{n}" for n in NODES)):
+        (d / sub).mkdir(parents=True)
+    os.chmod(d / "munge", 0o700)
+    key = d / "munge" / "munge.key"
+    key.write_bytes(os.urandom(128))
+    os.chmod(key, 0o400)
+    ports = {"ctld_port": _free_port(), "n1_port": _free_port(), "n2_port": _free_port()}
+    conf = d / "slurm.conf"
+    conf.write_text(SLURM_CONF.format(d=d, **ports))
+    # A fake GPU per node: count-only GRES needs a device file; nothing opens it.
+    (d / "gres.conf").write_text("AutoDetect=off\nName=gpu File=/dev/null\n")
+    saved = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(conf)  # sbatch, squeue ... and the workflow's jobs
+
+    pidfiles = [d / "munge" / "munged.pid", d / "slurmctld.pid"]
+    pidfiles += [d / f"slurmd.{n}.pid" for n in NODES]
+    try:
+        _slurm(
+            "munged", "--force", f"--socket={d}/munge/socket", f"--key-file={key}",
+            f"--pid-file={pidfiles[0]}", f"--log-file={d}/log/munged.log",
+            f"--seed-file={d}/munge/seed",
+        )  # fmt: skip
+        _wait(lambda: (d / "munge" / "socket").exists(), 10, "munged's socket")
+        _slurm("slurmctld", "-f", str(conf), "-i")
+        for n in NODES:
+            _slurm("slurmd", "-f", str(conf), "-N", n)
+
+        def idle():
+            out = _slurm("sinfo", "-h", "-N", "-o", "%N %T", check=False).stdout.split()
+            return dict(zip(out[::2], out[1::2], strict=False)) == dict.fromkeys(NODES, "idle")
+
+        _wait(idle, 60, "nodes n1 and n2 idle (see the logs in " + str(d / "log") + ")")
+        yield {"dir": d, "conf": conf}
+    finally:
+        subprocess.run(["scancel", "--full", "--user", "root"], capture_output=True, timeout=30)
+
+        def no_jobs():
+            out = _slurm("squeue", "-h", "-o", "%T", check=False)
+            return out.returncode != 0 or not (
+                set(out.stdout.split()) - {"COMPLETED", "CANCELLED", "FAILED"}
+            )
+
+        try:
+            _wait(no_jobs, 30, "jobs to end")
+        except AssertionError:
+            pass
+        for pidfile in reversed(pidfiles):  # slurmd, slurmctld, munged last
+            pid = _pid_of(pidfile)
+            if pid is not None and _alive(pid):
+                os.kill(pid, signal.SIGTERM)
+                try:
+                    _wait(lambda p=pid: not _alive(p), 20, f"{pidfile.stem} to exit")
+                except AssertionError:
+                    os.kill(pid, signal.SIGKILL)
+        if saved is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = saved
+
+
+def slurm_profile(dest: Path) -> Path:
+    """profiles/slurm as it ships, at this machine's size: 1 fake GPU, 1 CPU and 500 MB per
+    chunk job, two chunk jobs per allocation (so the 4 demo chunks take both nodes), squeue
+    status checked every few seconds, and the SLURM logs of successful jobs kept."""
+    cfg = yaml.safe_load((REPO / "profiles" / "slurm" / "config.yaml").read_text())
+    cfg["resources"] = {"gpu": 1}
+    cfg["group-components"] = {"extract": 2}
+    cfg["default-resources"] = {**cfg["default-resources"], "mem_mb": 500}
+    cfg["set-resources"]["extract_chunk"].update(gpu=1, cpus_per_gpu=1, mem_mb=500)
+    cfg.update(
+        {
+            "slurm-status-command": "squeue",
+            "slurm-init-seconds-before-status-checks": 2,
+            "slurm-keep-successful-logs": True,
+        }
+    )
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "config.yaml").write_text(yaml.safe_dump(cfg))
+    return dest
+
+
+def manifest_shas(rd: Path) -> dict[str, str]:
+    data = json.loads((rd / "manifest.json").read_text())
+    return {c["path"]: c["sha256"] for c in data["chunks"]}
+
+
+def submitted(output: str) -> dict[str, str]:
+    """SLURM job id -> what it ran ('group_extract_extract_chunk', 'rule_x'), from the log."""
+    return dict(
+        (m.group(1), m.group(2))
+        for m in re.finditer(r"SLURM jobid (\d+) \(log: \S*/slurm_logs/([^/]+)/\d+\.log\)", output)
+    )
+
+
+def chunk_allocations(rd: Path) -> dict[str, tuple[str, bool]]:
+    """chunk -> (host key it ran on, finished), from the chunk logs."""
+    out = {}
+    for log in sorted((rd / "logs").glob("extract_chunk_*.log")):
+        text = log.read_text(errors="replace")
+        m = re.search(r"chunk job on (\S+)", text)
+        if m:
+            out[log.stem.removeprefix("extract_")] = (m.group(1), "chunk done" in text)
+    return out
+
+
+def stamps(rd: Path) -> dict[str, tuple[str, int]]:
+    return {
+        f.name: (sha256_file(f), f.stat().st_mtime_ns)
+        for f in sorted((rd / "hidden").glob("chunk_*.safetensors"))
+    }
+
+
+def engines_of(workdir: Path) -> list[int]:
+    """engine_processes() started from this workdir (other tests may run servers now)."""
+    out = []
+    for pid in engine_processes():
+        try:
+            if Path(os.readlink(f"/proc/{pid}/cwd")).is_relative_to(workdir):
+                out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
+def assert_nothing_left(workdir: Path, rd: Path) -> None:
+    """No server or watchdog survives its allocation; no live file claims one does."""
+    _wait(lambda: not engines_of(workdir), 30, "the allocations' servers to stop")
+    assert not list((rd / "state").glob("server.*.live.json*"))  # forget_finished_jobs
+
+
+def test_slurm_run_matches_local_run(slurm_cluster, demo_run, tmp_path):
+    workdir = make_workdir(tmp_path / "wd")
+    profile = slurm_profile(tmp_path / "profile")
+    proc = run_snakemake(workdir, "--profile", str(profile), "extract_all", timeout=300)
+    rd = run_dir_of(workdir)
+    out = proc.stdout + proc.stderr
+
+    assert manifest_shas(rd) == manifest_shas(demo_run["run_dir"])
+
+    # Only the chunk jobs went to SLURM, in two allocations of two chunks each, one per node.
+    jobs = submitted(out)
+    assert sorted(jobs.values()) == ["group_extract_extract_chunk"] * 2, jobs
+    q = _slurm("squeue", "-h", "--states=all", "-j", ",".join(jobs), "-o", "%i %T %N %b")
+    rows = {r.split()[0]: r.split()[1:] for r in q.stdout.splitlines()}
+    assert {r[0] for r in rows.values()} == {"COMPLETED"}, q.stdout
+    assert sorted(r[1] for r in rows.values()) == ["n1", "n2"], q.stdout
+    # ... and each chunk ran inside one of them, each allocation starting one server.
+    where = chunk_allocations(rd)
+    assert sorted(where) == [f"chunk_{i:05d}" for i in range(4)]
+    keys = {key for key, done in where.values() if done}
+    assert {k.rsplit(".job", 1)[1] for k in keys} == set(jobs), where
+    for key in keys:
+        server_log = (rd / "logs" / "servers" / f"{key}.log").read_text()
+        assert server_log.count(" start: ") == 1, server_log
+    # The head node neither gated GPUs nor started a server.
+    assert json.loads((rd / "state" / "gpu_gate.json").read_text())["per_node"] is True
+    assert json.loads((rd / "state" / "server.json").read_text())["started"] is False
+    assert_nothing_left(workdir, rd)
+
+
+def test_a_cancelled_allocation_redoes_only_its_unfinished_chunks(
+    slurm_cluster, demo_run, tmp_path
+):
+    workdir = make_workdir(tmp_path / "wd")
+    profile = slurm_profile(tmp_path / "profile")
+    rd = run_dir_of(workdir)
+    # Slow every forward pass (1 s): a chunk takes ~10 s, so one is caught mid-extraction.
+    faults = {"extend": [{"rid": "chunk_", "do": "slow", "seconds": 1.0}]}
+    env = {**os.environ, "HSEXTRACT_FAULTS": json.dumps(faults)}
+    log = open(tmp_path / "run1.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        snakemake_cmd(workdir, "--profile", str(profile), "extract_all"),
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+    )  # fmt: skip
+    try:
+
+        def caught():
+            # An allocation with a finished chunk and one mid-extraction.
+            by_job: dict[str, list[bool]] = {}
+            for key, done in chunk_allocations(rd).values():
+                by_job.setdefault(key.rsplit(".job", 1)[1], []).append(done)
+            return next((j for j, d in by_job.items() if True in d and False in d), None)
+
+        job = _wait(caught, 180, "an allocation with one chunk done and one running", 0.5)
+        before = chunk_allocations(rd)
+        _slurm("scancel", job)
+        rc = proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    out = (tmp_path / "run1.log").read_text()
+    assert rc != 0, out[-3000:]
+    # The allocation was cancelled by SLURM (slurmstepd's line, in the job's log) and the
+    # other one ran to its end: Snakemake waits for running jobs before it exits.
+    assert re.search(rf"\*\*\* JOB {job} ON n[12] CANCELLED", out), out[-3000:]
+    assert_nothing_left(workdir, rd)
+
+    kept = stamps(rd)
+    # The cancelled allocation's chunk mid-extraction (the other allocation's go on).
+    in_flight = {c for c, (key, done) in before.items() if key.endswith(f".job{job}") and not done}
+    assert len(in_flight) == 1, before
+    assert kept and not in_flight & {n.removesuffix(".safetensors") for n in kept}
+
+    # The rerun (no faults) redoes the chunks the cancelled allocation did not finish.
+    proc = run_snakemake(workdir, "--profile", str(profile), "extract_all", timeout=300)
+    after = stamps(rd)
+    for name, stamp in kept.items():
+        assert after[name] == stamp, f"{name} was redone"
+    redone = {name for name in after if name not in kept}
+    assert {c + ".safetensors" for c in in_flight} <= redone
+    # ... and nothing else: one chunk job per unfinished chunk, in one allocation.
+    out = proc.stdout + proc.stderr
+    assert out.count("rule extract_chunk:") == len(redone) == 4 - len(kept), out[-3000:]
+    assert list(submitted(out).values()) == ["group_extract_extract_chunk"], out[-3000:]
+    assert manifest_shas(rd) == manifest_shas(demo_run["run_dir"])
+    assert_nothing_left(workdir, rd)
+
+
+def test_an_allocations_first_server_start_clears_a_cancelled_ones_pieces(tmp_path, monkeypatch):
+    """On a compute node no stale deletion runs (that is the head's): a cancelled
+    allocation's in-flight pieces are cleared when the run's next allocation there starts
+    its server, unless another live server of the run on this host may own them."""
+    from hsextract import server, steps
+    from hsextract.config import RUN_MARKER
+
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    state, dump = tmp_path / "state", tmp_path / "dump"
+    state.mkdir()
+    gated = []
+
+    def leftovers():
+        for d in (dump, dump / ".budget", dump / "chunk_00003-000001-ab"):
+            d.mkdir(parents=True, exist_ok=True)
+        (dump / RUN_MARKER).write_text("{}")
+        (dump / f".{RUN_MARKER}.9.tmp").write_text("{}")  # a server starting now, not live
+        (dump / "chunk_00003-000001-ab" / "piece.safetensors").write_bytes(b"x")
+
+    def check():
+        steps._with_node_cleanup(lambda: gated.append(1), dump, state)()
+        return sorted(p.name for p in dump.iterdir())
+
+    host = socket.gethostname()
+    leftovers()
+    server.write_json(state / f"server.{host}.job40.live.json", {"pid": 2**22 + 7})  # dead
+    assert check() == [f".{RUN_MARKER}.9.tmp", ".budget", RUN_MARKER]
+    leftovers()
+    server.write_json(state / f"server.{host}.job42.live.json", {"pid": os.getpid()})  # alive
+    assert "chunk_00003-000001-ab" in check()
+    (state / f"server.{host}.job42.live.json").unlink()
+    server.write_json(server.live_path(state), {"pid": 2**22 + 7})  # our own: a relaunch
+    assert "chunk_00003-000001-ab" in check()
+    assert len(gated) == 3  # the GPU gate runs every time
