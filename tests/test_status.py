@@ -88,9 +88,12 @@ def test_a_run_in_progress_reports_counts_rate_eta_and_its_server(tmp_path):
             if any(f["tokens_done"] > 0 for f in st["in_flight"]):
                 progressed = st
             if 0 < st["chunks_done"] < st["chunks_total"] and st["in_flight"]:
-                mid = st
+                # The text view right after, of the same moment only if a chunk is still
+                # in flight (one may end between the two calls: then poll on).
+                text = hsx_status(wd).stdout
+                if "in flight" in text:
+                    mid = st
             time.sleep(0.3)
-        text = hsx_status(wd).stdout
         while progressed is None and proc.poll() is None:
             st = status_json(wd)
             if any(f["tokens_done"] > 0 for f in st["in_flight"]):
