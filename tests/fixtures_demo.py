@@ -24,6 +24,17 @@ def snakemake_cmd(workdir: Path, *args: str) -> list[str]:
     ]  # fmt: skip
 
 
+def start_snakemake(workdir: Path, *args: str, faults: dict | None = None) -> subprocess.Popen:
+    """The workflow in the background, in its own process group (so a test can signal all
+    of it), output merged into ``stdout``; ``faults`` goes to ``HSEXTRACT_FAULTS``."""
+    env = {**os.environ, "HSEXTRACT_FAULTS": json.dumps(faults)} if faults else None
+    return subprocess.Popen(
+        snakemake_cmd(workdir, *args),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+
+
 def run_snakemake(workdir: Path, *args: str, check: bool = True, timeout: float = 900):
     proc = subprocess.run(
         snakemake_cmd(workdir, *args), capture_output=True, text=True, timeout=timeout

@@ -338,19 +338,25 @@ def _self_attrs(cls: ast.ClassDef) -> set[str]:
     return out
 
 
+def _forward_batch_names(pkg: Path) -> tuple[set[str], set[str]]:
+    """``ForwardBatch``'s declared fields and ``ForwardMode``'s methods, in ``pkg``'s source."""
+    fbi = ast.parse(_src(pkg, "srt/model_executor/forward_batch_info.py"))
+    fields = {
+        n.target.id
+        for n in _class(fbi, "ForwardBatch").body
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+    }
+    modes = {n.name for n in _class(fbi, "ForwardMode").body if isinstance(n, ast.FunctionDef)}
+    return fields, modes
+
+
 def test_sglang_names_we_read_exist(sglang_pkg: Path) -> None:
     dsv2 = _src(sglang_pkg, "srt/models/deepseek_v2.py")
     tree = ast.parse(dsv2)
 
     # ForwardBatch fields and ForwardMode methods (patch + hook read them).
-    fbi = ast.parse(_src(sglang_pkg, "srt/model_executor/forward_batch_info.py"))
-    fb_fields = {
-        n.target.id
-        for n in _class(fbi, "ForwardBatch").body
-        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
-    }
+    fb_fields, fm = _forward_batch_names(sglang_pkg)
     assert {"forward_mode", "rids", "extend_prefix_lens_cpu", "extend_seq_lens_cpu"} <= fb_fields
-    fm = {n.name for n in _class(fbi, "ForwardMode").body if isinstance(n, ast.FunctionDef)}
     assert {"is_extend", "is_target_verify", "is_idle"} <= fm
 
     # DeepseekV2Model attributes read by begin_forward / the hook.
@@ -410,14 +416,8 @@ def test_sglang_0514_names_we_read_exist(pkg14: Path) -> None:
     """What the 0.5.14 patch and its norm hooks rely on, read in 0.5.14's own source."""
     dsv2 = _src(pkg14, "srt/models/deepseek_v2.py")
     tree = ast.parse(dsv2)
-    fbi = ast.parse(_src(pkg14, "srt/model_executor/forward_batch_info.py"))
-    fb_fields = {
-        n.target.id
-        for n in _class(fbi, "ForwardBatch").body
-        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
-    }
+    fb_fields, fm = _forward_batch_names(pkg14)
     assert {"forward_mode", "rids", "extend_prefix_lens_cpu", "extend_seq_lens_cpu"} <= fb_fields
-    fm = {n.name for n in _class(fbi, "ForwardMode").body if isinstance(n, ast.FunctionDef)}
     assert {"is_extend", "is_target_verify", "is_idle"} <= fm
     model = _class(tree, "DeepseekV2Model")
     attrs = _self_attrs(model)

@@ -18,7 +18,13 @@ from pathlib import Path
 import orjson
 import pytest
 import yaml
-from fixtures_demo import make_workdir, planned_jobs, run_dir_of, run_snakemake, snakemake_cmd
+from fixtures_demo import (
+    make_workdir,
+    planned_jobs,
+    run_dir_of,
+    run_snakemake,
+    start_snakemake,
+)
 
 from hsextract.chunks import ChunkReader, sha256_file
 from hsextract.config import RUN_MARKER, dump_dir, load_config
@@ -206,14 +212,7 @@ def test_stale_deletion_never_touches_a_live_foreign_or_older_run(tmp_path):
     small = {"demo.n_records": 16, "n_chunks": 2}
     a = make_workdir(tmp_path / "A", **small)
     slow = {"extend": [{"rid": "chunk_00001", "nth": [1], "do": "slow", "seconds": 25}]}
-    proc = subprocess.Popen(
-        snakemake_cmd(a, "-j1", "extract_all"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "HSEXTRACT_FAULTS": json.dumps(slow)},
-        start_new_session=True,
-    )
+    proc = start_snakemake(a, "-j1", "extract_all", faults=slow)
     try:
         os.chdir(a)
         a_dump = dump_dir(load_config("config.yaml"))
@@ -307,14 +306,7 @@ def test_dump_space_stays_within_the_budget_with_two_jobs(demo_run, tmp_path):
     )
     # Slow passes, so both chunk jobs are mid-extraction at the same time.
     slow = {"extend": [{"rid": "chunk_", "do": "slow", "seconds": 0.1}]}
-    proc = subprocess.Popen(
-        snakemake_cmd(wd, "-j2", "extract_all"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "HSEXTRACT_FAULTS": json.dumps(slow)},
-        start_new_session=True,
-    )
+    proc = start_snakemake(wd, "-j2", "extract_all", faults=slow)
     try:
         os.chdir(wd)
         ddir = dump_dir(load_config("config.yaml"))

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from fixtures_demo import make_workdir, run_dir_of, snakemake_cmd
+from fixtures_demo import make_workdir, run_dir_of, snakemake_cmd, start_snakemake
 
 from hsextract import status
 from hsextract.config import load_config
@@ -72,12 +72,7 @@ def test_a_run_in_progress_reports_counts_rate_eta_and_its_server(tmp_path):
     wd = make_workdir(tmp_path / "w", **SMALL)
     # Every extend pass of every chunk takes 1 s more: each chunk job lasts seconds.
     slow = {"extend": [{"rid": "chunk_", "do": "slow", "seconds": 1.0}]}
-    proc = subprocess.Popen(
-        snakemake_cmd(wd, "-j1", "extract_all"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "HSEXTRACT_FAULTS": json.dumps(slow)},
-        start_new_session=True,
-    )  # fmt: skip
+    proc = start_snakemake(wd, "-j1", "extract_all", faults=slow)
     mid = progressed = None
     try:
         deadline = time.monotonic() + 400

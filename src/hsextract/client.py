@@ -537,7 +537,7 @@ def extract_chunk(
 ) -> dict:
     """Extract every record of a chunk into the contract's chunk file plus its sidecar.
 
-    While it runs, ``hidden/.chunk_XXXXX.progress.json`` says how far it got (for
+    While it runs, ``hidden/.chunk_<i>.progress.json`` says how far it got (for
     ``hsextract status``); it is removed when the chunk ends, whichever way.
     """
     from hsextract.status import ProgressFile

@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hsextract.server import read_json
+
 log = logging.getLogger("hsextract")
 
 #: Seconds between rewrites of a chunk's progress file: cheap, yet fresh for a status.
@@ -47,9 +49,9 @@ _LOGGED_ERROR = re.compile(r"^\d{4}-\d\d-\d\d [\d:,.]+ (ERROR|CRITICAL) ")
 
 
 def progress_path(chunk_file: Path) -> Path:
-    """``hidden/.chunk_XXXXX.progress.json`` beside ``hidden/chunk_XXXXX.safetensors``.
+    """``hidden/.chunk_<i>.progress.json`` beside ``hidden/chunk_<i>.safetensors``.
 
-    A dot file, and no ``chunk_XXXXX.*`` name: nothing that lists chunk files sees it.
+    A dot file, and no ``chunk_<i>.*`` name: nothing that lists chunk files sees it.
     """
     chunk_file = Path(chunk_file)
     return chunk_file.with_name(f".{chunk_file.stem}.progress.json")
@@ -198,7 +200,7 @@ def collect(
     now = time.time()
     hidden = rd / "hidden"
     index_path = rd / "chunks" / "index.json"
-    index = _read_json(index_path)
+    index = read_json(index_path)
     intervals: list[tuple[float, float, float]] = []  # (start, end, tokens)
     tokens_done = 0
     done: set[str] = set()
@@ -254,17 +256,10 @@ def collect(
     )
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def _chunk_interval(hidden: Path, chunk: str) -> tuple[float, float] | None:
     """When a finished chunk was extracted: the sidecar's times, else its mtime."""
     sidecar = hidden / f"{chunk}.json"
-    meta = _read_json(sidecar) or {}
+    meta = read_json(sidecar) or {}
     try:
         end = float(meta.get("finished_at") or sidecar.stat().st_mtime)
         start = float(meta.get("started_at") or end - float(meta.get("seconds", 0.0)))
@@ -284,7 +279,7 @@ def _in_flight(hidden: Path, pending: set[str]) -> list[InFlight]:
     out = []
     host = socket.gethostname()
     for name in sorted(pending):
-        data = _read_json(progress_path(hidden / f"{name}.safetensors"))
+        data = read_json(progress_path(hidden / f"{name}.safetensors"))
         if not isinstance(data, dict):
             continue
         try:
@@ -372,7 +367,7 @@ def server_status(cfg: dict, rd: Path, *, timeout_s: float = 2.0) -> ServerStatu
         for p in state_dir.glob("server.*.live.json")
         if p != path
     )
-    state = _read_json(path)
+    state = read_json(path)
     if not isinstance(state, dict):
         return ServerStatus(recorded=False, other_hosts=others)
     out = ServerStatus(

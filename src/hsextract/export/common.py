@@ -1,13 +1,29 @@
-"""What every export shares: a record's stable index, and the chunks of a run."""
+"""What every export shares: a record's stable index, its error, reading its inputs."""
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
+from hsextract.errors import HsextractError
 from hsextract.records import read_index
+
+
+class ExportError(HsextractError):
+    """An export cannot be written or does not match the run it claims to export."""
+
+
+def read_json(path: Path, what: str, fix: str) -> dict:
+    """A JSON input of an export, or an :class:`ExportError` naming it and what to do."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ExportError(f"{what}: {path} does not exist; {fix}") from None
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"{what}: {path} is unreadable ({exc}); {fix}") from exc
 
 
 @lru_cache(maxsize=4)

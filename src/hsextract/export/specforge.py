@@ -16,10 +16,10 @@ Beside the data, none of it a ``.ckpt`` (so SpecForge never reads it):
 
     hsextract_export.json      which run owns the directory (nothing else is ever deleted)
     settings-<digest>.json     compression: a change is a missing file, so every chunk redoes
-    journal/chunk_XXXXX.jsonl  each file of a chunk as it is renamed into place: the resume
+    journal/chunk_<i>.jsonl    each file of a chunk as it is renamed into place: the resume
                                ledger (key, size, mtime, sha256); it outlives Snakemake's
                                removal of a rerun job's outputs
-    done/chunk_XXXXX.json      the chunk's files, written last: the chunk is exported
+    done/chunk_<i>.json        the chunk's files, written last: the chunk is exported
     export.json                the whole export, checked against the manifest (last)
 
 Every file goes in under a temporary ``.data_{idx}.ckpt.<pid>.tmp`` (no ``.ckpt`` suffix:
@@ -46,8 +46,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from hsextract.errors import HsextractError
-from hsextract.export.common import record_indices
+from hsextract.export.common import ExportError, read_json, record_indices
 
 log = logging.getLogger("hsextract")
 
@@ -63,10 +62,6 @@ SUMMARY_FILE = "export.json"
 _DATA_RE = re.compile(r"^data_(\d+)\.ckpt(\.gz)?$")
 _TEMP_RE = re.compile(r"^\.data_(\d+)\.ckpt(?:\.gz)?\.\d+\.tmp$")
 _CHUNK_FILE_RE = re.compile(r"^\.?(chunk_\d+)\.(?:json|jsonl|lock)(?:\.\d+\.tmp)?$")
-
-
-class ExportError(HsextractError):
-    """An export cannot be written or does not match the run it claims to export."""
 
 
 def folder_of(idx: int) -> str:
@@ -194,15 +189,6 @@ def prepare(
     return path
 
 
-def _read_json(path: Path, what: str, fix: str) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ExportError(f"{what}: {path} does not exist; {fix}") from None
-    except (OSError, ValueError) as exc:
-        raise ExportError(f"{what}: {path} is unreadable ({exc}); {fix}") from exc
-
-
 def _prior_entries(marker: Path, journal: Path) -> dict[int, dict]:
     """What earlier exports of this chunk wrote, by idx: the marker's list, then the
     journal's lines (a torn last line, from a kill mid-append, is ignored)."""
@@ -321,7 +307,7 @@ def export_chunk(
     out = Path(out) if out is not None else default_out(run_dir)
     hidden = run_dir / "hidden" / f"{chunk}.safetensors"
     redo = f"re-extract it: delete it and rerun `snakemake -j1 {hidden}`"
-    sidecar = _read_json(hidden.with_suffix(".json"), chunk, f"extract it first ({redo})")
+    sidecar = read_json(hidden.with_suffix(".json"), chunk, f"extract it first ({redo})")
     try:
         size = hidden.stat().st_size
     except FileNotFoundError:
@@ -470,7 +456,7 @@ def finish_export(
     run_dir = Path(run_dir)
     out = Path(out) if out is not None else default_out(run_dir)
     mpath = Path(manifest) if manifest is not None else run_dir / "manifest.json"
-    man = _read_json(mpath, "export", "run `snakemake -j1 extract_all` first")
+    man = read_json(mpath, "export", "run `snakemake -j1 extract_all` first")
     chunks = {Path(c["path"]).stem: c for c in man["chunks"]}
     busy = f"{out}: a chunk export is still running; rerun when it has finished"
     with _lock(out / "journal" / ".export.lock", False, busy):
@@ -478,7 +464,7 @@ def finish_export(
         markers = []
         for name, c in sorted(chunks.items()):
             redo = f"export it: `hsextract export specforge --manifest {mpath}`"
-            m = _read_json(out / "done" / f"{name}.json", name, redo)
+            m = read_json(out / "done" / f"{name}.json", name, redo)
             if m["source"]["sha256"] != c["sha256"]:
                 raise ExportError(
                     f"{name}: exported from other bytes than the manifest lists (re-extracted "
@@ -587,7 +573,7 @@ def export_run(
     from tqdm import tqdm
 
     mpath = Path(manifest)
-    man = _read_json(mpath, "export", "run `snakemake -j1 extract_all` first")
+    man = read_json(mpath, "export", "run `snakemake -j1 extract_all` first")
     run_dir = mpath.parent
     out = Path(out) if out is not None else default_out(run_dir)
     prepare(out, run_dir, str(man.get("fingerprint")), gzip)

@@ -9,7 +9,7 @@ reads it (speculators 0.9.0; ``hs_connectors.FileTransfer`` loads the files)::
                                         ``token_ids`` [T] int64, ``hidden_states``
                                         [T, k+1, H]: the k aux layers in order, then the
                                         last layer's output *before* the final norm
-      done/chunk_XXXXX.json             ours: which files a chunk's export wrote (sha256)
+      done/chunk_<i>.json               ours: which files a chunk's export wrote (sha256)
       done/dataset.json                 ours: the dataset's rows and train.jsonl's sha256
       export.json                       ours, last: the export checked against the manifest
 
@@ -34,16 +34,11 @@ from typing import Any
 import torch
 
 from hsextract.chunks import ChunkReader
-from hsextract.errors import HsextractError
-from hsextract.export.common import record_indices
+from hsextract.export.common import ExportError, read_json, record_indices
 
 DATASET_FILES = ("dataset_info.json", "state.json")
 FORMAT = "speculators-offline"
 _HS_RE = re.compile(r"^hs_(\d+)\.safetensors$")
-
-
-class ExportError(HsextractError):
-    """An export cannot be made from this run as it is."""
 
 
 def hs_path(out: Path, idx: int) -> Path:
@@ -156,13 +151,6 @@ def export_dataset(train: Path, out: Path, marker: Path) -> dict:
     return done
 
 
-def _read(path: Path, fix: str) -> dict:
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise ExportError(f"{path}: cannot be read ({e}); {fix}") from None
-
-
 def finish_export(manifest: Path, out: Path) -> dict:
     """Check every chunk's marker against the manifest and the dataset against
     train.jsonl, remove ``hs_*`` files no chunk wrote (a shorter train.jsonl), and write
@@ -171,12 +159,12 @@ def finish_export(manifest: Path, out: Path) -> dict:
     from hsextract.server import write_json
 
     manifest, out = Path(manifest), Path(out)
-    man = _read(manifest, "run `snakemake -j1 extract_all` first")
+    man = read_json(manifest, "export", "run `snakemake -j1 extract_all` first")
     run_dir = manifest.parent
     redo = f"rerun `hsextract export speculators --manifest {manifest} --out {out}`"
     listed: set[str] = set()
     for c in man["chunks"]:
-        m = _read(out / "done" / f"{c['chunk']}.json", redo)
+        m = read_json(out / "done" / f"{c['chunk']}.json", c["chunk"], redo)
         if m["source_sha256"] != c["sha256"]:
             raise ExportError(
                 f"{c['chunk']}: exported from other bytes than the manifest lists; {redo}"
@@ -190,7 +178,7 @@ def finish_export(manifest: Path, out: Path) -> dict:
         raise ExportError(
             f"{out}: the chunks hold {len(listed)} records, not lines 0..{rows - 1}; {redo}"
         )
-    ds = _read(out / "done" / "dataset.json", redo)
+    ds = read_json(out / "done" / "dataset.json", "export", redo)
     train = run_dir / "merged" / "train.jsonl"
     if ds["rows"] != rows or ds["train_sha256"] != sha256_file(train):
         raise ExportError(f"{out}: the dataset was written from another train.jsonl; {redo}")
@@ -224,7 +212,7 @@ def export_run(manifest: str | os.PathLike[str], out: str | os.PathLike[str] | N
     from tqdm import tqdm
 
     manifest = Path(manifest)
-    man = _read(manifest, "run `snakemake -j1 extract_all` first")
+    man = read_json(manifest, "export", "run `snakemake -j1 extract_all` first")
     run_dir = manifest.parent
     out = Path(out) if out is not None else default_out(run_dir)
     export_dataset(run_dir / "merged" / "train.jsonl", out, out / "done" / "dataset.json")
