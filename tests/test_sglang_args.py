@@ -329,3 +329,77 @@ def test_production_config_validates_and_prints(release: str, flags: dict[str, F
     argv, env = build_launch(copy.deepcopy(cfg), dump_dir="/dev/shm/hs", port=30000)
     check_argv(argv, flags, release)
     assert argv[argv.index("--context-length") + 1] == str(8192 + CONTEXT_HEADROOM)
+
+
+def _declared_align_sizes(pkg: Path) -> dict[str, tuple[str, int]]:
+    """``backend_sizes`` of the release's ``init_deterministic_inference_config``, read
+    from its scheduler.py: {backend: (env var, default)}."""
+    src = (pkg / "srt/managers/scheduler.py").read_text()
+    body = src[src.index("def init_deterministic_inference_config") :]
+    body = body[: body.index("self.truncation_align_size = (")]
+    found = re.findall(r'"(\w+)":\s*\("(\w+)",\s*(\d+)\)', body)
+    return {b: (env, int(n)) for b, env, n in found}
+
+
+def test_deterministic_alignment_declared_as_each_release_has_it(pkg14: Path, sglang_pkg: Path):
+    for version, pkg in (("0.5.14", pkg14), ("0.5.23", sglang_pkg)):
+        declared = {b: (e, n) for b, e, n in versions.get(version).deterministic_align}
+        assert declared == _declared_align_sizes(pkg), version
+    # 0.5.14 leaves a record longer than a chunk below the alignment unscheduled, silently.
+    policy = (pkg14 / "srt/managers/schedule_policy.py").read_text()
+    assert re.search(r"if trunc_len < truncation_align_size:\s*return AddReqResult.OTHER", policy)
+    assert (
+        "check_truncation_align_fits_chunk" not in (pkg14 / "srt/managers/scheduler.py").read_text()
+    )
+    # 0.5.23 refuses to start instead, and its triton backend no longer aligns.
+    assert (
+        "def check_truncation_align_fits_chunk"
+        in (sglang_pkg / "srt/managers/scheduler.py").read_text()
+    )
+
+
+DET = ["--enable-deterministic-inference"]
+
+
+@pytest.mark.parametrize(
+    ("version", "extra", "chunk", "env", "refused"),
+    [
+        ("0.5.14", [*DET, "--attention-backend", "triton"], 64, {}, True),
+        ("0.5.14", [*DET, "--attention-backend=triton"], 8192, {}, False),
+        ("0.5.14", [*DET, "--attention-backend", "triton"], -1, {}, False),
+        ("0.5.14", ["--enable-det", "--attention-backend", "flashinfer"], 2048, {}, True),
+        (
+            "0.5.14",
+            [*DET, "--attention-backend", "triton"],
+            64,
+            {"SGLANG_TRITON_PREFILL_TRUNCATION_ALIGN_SIZE": "64"},
+            False,
+        ),
+        ("0.5.14", [*DET, "--attention-backend", "fa3"], 64, {}, False),
+        ("0.5.14", ["--attention-backend", "triton"], 64, {}, False),
+        ("0.5.23", [*DET, "--attention-backend", "triton"], 64, {}, False),
+        ("0.5.23", [*DET, "--prefill-attention-backend", "flashinfer"], 64, {}, True),
+    ],
+)
+def test_deterministic_inference_with_a_chunk_below_its_alignment_is_refused(
+    version: str, extra: list[str], chunk: int, env: dict, refused: bool
+) -> None:
+    cfg = _prod(
+        version,
+        **{"sglang.extra_args": extra, "sglang.extra_env": env,
+           "server.chunked_prefill_size": chunk},
+    )  # fmt: skip
+    if refused:
+        with pytest.raises(ConfigError, match=rf"chunked_prefill_size is {chunk}, so a record"):
+            validate_sglang_config(cfg, versions.get(version))
+    else:
+        validate_sglang_config(cfg, versions.get(version))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float"])
+def test_float32_is_refused_for_the_release_that_cannot_serve_it(dtype: str) -> None:
+    cfg = _prod("0.5.14", **{"model.dtype": dtype})
+    with pytest.raises(ConfigError, match=r"no float32 kernel.*Use bfloat16"):
+        validate_sglang_config(cfg, versions.get("0.5.14"))
+    # 0.5.23 was never run live: nothing known to refuse it for.
+    validate_sglang_config(_prod("0.5.23", **{"model.dtype": dtype}), versions.get("0.5.23"))

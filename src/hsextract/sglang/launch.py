@@ -190,6 +190,13 @@ def validate_sglang_config(cfg: dict, rel: SglangVersion | None = None) -> None:
     dtype = cfg["model"]["dtype"]
     if dtype not in SGLANG_DTYPES:
         raise ConfigError(f"model.dtype {dtype!r} is not an SGLang dtype {SGLANG_DTYPES}")
+    why = dict(rel.unserved_dtypes).get(dtype) if rel else None
+    if why:
+        raise ConfigError(
+            f"model.dtype {dtype!r} with SGLang {rel.version}: {why}. Use bfloat16 (its "
+            "fidelity is checked against HF's own bf16 forward), or engine: reference for "
+            "float32 states"
+        )
     headroom = rel.context_headroom if rel else CONTEXT_HEADROOM
     max_seq_len = int(cfg["max_seq_len"])
     ctx = context_length(cfg, headroom)
@@ -224,6 +231,8 @@ def validate_sglang_config(cfg: dict, rel: SglangVersion | None = None) -> None:
     clash = sorted(set(extra_env) & set(MANAGED_ENV))
     if clash:
         raise ConfigError(f"sglang.extra_env may not set {clash}: build_launch owns them")
+    if rel is not None:
+        _check_deterministic_alignment(cfg, rel)
     if cfg.get("capture", "patch") == "hooks" and rel is not None and rel.hooks == "aux_capture":
         layers = cfg.get("aux_layers")
         if layers and layers[0] == 1:
@@ -232,6 +241,44 @@ def validate_sglang_config(cfg: dict, rel: SglangVersion | None = None) -> None:
                 f"capture: hooks cannot capture aux_layers {layers} with SGLang "
                 f"{rel.version}: it shifts a layer-id list starting with 1 by one; use "
                 "capture: patch"
+            )
+
+
+def _option_value(args: list[str], flag: str) -> str | None:
+    """The value given to ``flag`` in ``args`` (``--flag v`` or ``--flag=v``, argparse
+    abbreviations too), the last one winning as in argparse; None if absent."""
+    value = None
+    for i, token in enumerate(args):
+        name, eq, inline = token.partition("=")
+        if token.startswith("--") and _matches(name, flag):
+            value = inline if eq else (args[i + 1] if i + 1 < len(args) else None)
+    return value
+
+
+def _check_deterministic_alignment(cfg: dict, rel: SglangVersion) -> None:
+    """Deterministic inference cuts chunked prefill at multiples of an alignment for some
+    backends; a smaller chunk would leave every longer record unscheduled: a server that
+    answers /health and never answers the request (0.5.14) or will not start (0.5.23)."""
+    extra = sglang_section(cfg)["extra_args"]
+    flag = "--enable-deterministic-inference"
+    if not any(t.startswith("--") and _matches(t, flag) for t in extra):
+        return
+    backend = next(
+        (v for v in (_option_value(extra, f) for f in rel.prefill_backend_args) if v), None
+    )
+    chunk = int((cfg.get("server") or {}).get("chunked_prefill_size", 8192))
+    for name, env_var, default in rel.deterministic_align:
+        if backend != name:
+            continue
+        align = int(sglang_section(cfg)["extra_env"].get(env_var, default))
+        if chunk != -1 and chunk < align:
+            raise ConfigError(
+                f"sglang.extra_args has --enable-deterministic-inference with the {name} "
+                f"attention backend: SGLang {rel.version} then cuts chunked prefill at "
+                f"multiples of {align} tokens ({env_var}), and server.chunked_prefill_size "
+                f"is {chunk}, so a record longer than {chunk} tokens could never be "
+                f"scheduled. Set server.chunked_prefill_size to -1 (off) or a multiple of "
+                f"{align}, or set {env_var} in sglang.extra_env to at most {chunk}"
             )
 
 

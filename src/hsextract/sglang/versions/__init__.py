@@ -35,6 +35,15 @@ class SglangVersion:
     hooks_tp_args: tuple[str, ...] = ()
     #: An input of n tokens is accepted iff n < context_length - (headroom - 1).
     context_headroom: int = 7
+    #: ``--enable-deterministic-inference`` cuts chunked prefill at multiples of an
+    #: alignment for some prefill attention backends: ``(backend, env var, default
+    #: tokens)``.  A ``server.chunked_prefill_size`` below it can never schedule a longer
+    #: record (SGLang 0.5.14 then waits forever; later releases refuse to start).
+    deterministic_align: tuple[tuple[str, str, int], ...] = ()
+    #: The options that name the prefill attention backend, first given wins.
+    prefill_backend_args: tuple[str, ...] = ("--attention-backend",)
+    #: ``model.dtype`` values the release cannot serve on CUDA, with what goes wrong.
+    unserved_dtypes: tuple[tuple[str, str], ...] = ()
     #: The torch this release pins (for the docs and the H200 recipe; not enforced).
     torch: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)

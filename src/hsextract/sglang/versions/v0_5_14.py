@@ -11,9 +11,21 @@ live there: ../h200/) and the one SpecForge's own capture patch targets.
 - With tp_size > 1 on SM90 it auto-enables FlashInfer's fused all-reduce + add + norm for
   DeepSeek-V3 (server_args.py), which bypasses ``input_layernorm``'s module call: hooks
   mode disables it (the patch captures through SGLang's own path, which handles it).
+- ``--enable-deterministic-inference`` aligns chunked prefill to 4096 tokens for triton and
+  flashinfer (scheduler.py ``init_deterministic_inference_config``); a smaller chunk
+  makes ``PrefillAdder`` return ``OTHER`` for every longer record, which then waits in the
+  queue forever with no error (seen live: 60-token records served, longer ones never).
+- No float32 serving on CUDA: sgl-kernel's ``rmsnorm`` has no float32 path, so the
+  scheduler dies at the first request (seen live on the H200, DeepSeek-V3 and Qwen3).
 """
 
 from hsextract.sglang.versions import SglangVersion
+
+_FP32 = (
+    "SGLang 0.5.14's CUDA RMSNorm (sgl-kernel rmsnorm) has no float32 kernel: the server "
+    "starts, then dies at the first request ('rmsnorm ... failed to dispatch data type "
+    "Float', seen on an H200)"
+)
 
 VERSION = SglangVersion(
     version="0.5.14",
@@ -22,5 +34,10 @@ VERSION = SglangVersion(
     hooks="layernorm",
     hooks_tp_args=("--enforce-disable-flashinfer-allreduce-fusion",),
     context_headroom=7,
+    deterministic_align=(
+        ("triton", "SGLANG_TRITON_PREFILL_TRUNCATION_ALIGN_SIZE", 4096),
+        ("flashinfer", "SGLANG_FLASHINFER_PREFILL_SPLIT_TILE_SIZE", 4096),
+    ),
+    unserved_dtypes=(("float32", _FP32), ("float", _FP32)),
     torch="2.11.0",
 )

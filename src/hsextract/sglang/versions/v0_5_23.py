@@ -7,6 +7,9 @@ machine, so checked against its source only).
   ``(hidden, topk)``; the aux capture packer has ``capture(hidden, owned=...)``.  Hooks
   use SGLang's own aux capture (``--enable-return-aux-hidden-states
   --speculative-algorithm EAGLE3``, no draft loaded) plus one hook on the inner model.
+- ``--enable-deterministic-inference`` aligns chunked prefill only for flashinfer (triton
+  tiles keys at absolute positions now) and refuses to start when the chunk is smaller
+  (``check_truncation_align_fits_chunk``); we refuse it at plan time, before a GPU.
 """
 
 from hsextract.sglang.versions import SglangVersion
@@ -17,5 +20,7 @@ VERSION = SglangVersion(
     args_classes="_NS_PATH",
     hooks="aux_capture",
     context_headroom=7,
+    deterministic_align=(("flashinfer", "SGLANG_FLASHINFER_PREFILL_SPLIT_TILE_SIZE", 4096),),
+    prefill_backend_args=("--prefill-attention-backend", "--attention-backend"),
     torch="2.14.1",
 )
