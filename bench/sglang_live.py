@@ -77,7 +77,7 @@ def storage_baseline(d: Path, nbytes: int, files: int) -> tuple[float, float]:
     storage: ``files`` files of ``nbytes`` written at once (8 MiB writes, a thread each),
     then each fsynced while its sha256 is read back (as ``ChunkWriter.finish`` does).
     Returns (seconds writing, seconds finishing)."""
-    import hashlib
+    from hsextract.chunks import sha256_file
 
     d.mkdir(parents=True, exist_ok=True)
     buf = memoryview(os.urandom(72 << 20))
@@ -91,15 +91,9 @@ def storage_baseline(d: Path, nbytes: int, files: int) -> tuple[float, float]:
             os.write(fd, buf[(k % 8) << 20 : ((k % 8) << 20) + m])
             left, k = left - m, k + 1
 
-    def digest(p: Path) -> None:
-        h = hashlib.sha256()
-        with open(p, "rb") as f:
-            while block := f.read(16 << 20):
-                h.update(block)
-
     def finish(i: int) -> None:
         with ThreadPoolExecutor(1) as one:
-            hashing = one.submit(digest, paths[i])
+            hashing = one.submit(sha256_file, paths[i])  # ChunkWriter.finish's own hash
             os.fsync(fds[i])
             hashing.result()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,18 @@ def start_snakemake(workdir: Path, *args: str, faults: dict | None = None) -> su
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         start_new_session=True,
     )  # fmt: skip
+
+
+def stop_snakemake(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    """Stop a workflow from :func:`start_snakemake` and everything it started (its process
+    group: a test that fails mid-run must not leave a server running); SIGKILL after 60 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def run_snakemake(workdir: Path, *args: str, check: bool = True, timeout: float = 900):

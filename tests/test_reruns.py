@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from fixtures_demo import (
     run_dir_of,
     run_snakemake,
     start_snakemake,
+    stop_snakemake,
 )
 
 from hsextract.chunks import ChunkReader, sha256_file
@@ -181,17 +181,6 @@ def test_a_server_setting_takes_effect_and_keeps_finished_chunks(demo_copy):
     assert kept["settings"]["chunked_prefill_size"] == 257  # its record stays true
 
 
-def _end(proc: subprocess.Popen) -> None:
-    """A test that fails mid-run must not leave a workflow (and its server) running."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 def _pieces(d: Path) -> dict[str, int]:
     """Dump pieces under d and their sizes; tolerant of pieces consumed while we look."""
     out = {}
@@ -267,7 +256,7 @@ def test_stale_deletion_never_touches_a_live_foreign_or_older_run(tmp_path):
         assert not ord_.exists() and old.exists()
         out, _ = proc.communicate(timeout=300)
     finally:
-        _end(proc)
+        stop_snakemake(proc)
     assert proc.returncode == 0, out[-4000:]
     assert verify(run_dir_of(a)).returncode == 0
 
@@ -317,7 +306,7 @@ def test_dump_space_stays_within_the_budget_with_two_jobs(demo_run, tmp_path):
             both = both or len({k.split("-")[0] for k in sizes}) >= 2
             time.sleep(0.002)
     finally:
-        _end(proc)
+        stop_snakemake(proc)
     out = proc.stdout.read()
     assert proc.returncode == 0, out[-4000:]
     assert both, "the two chunk jobs never had pieces in flight at once"

@@ -14,7 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
-from fixtures_demo import make_workdir, run_dir_of, snakemake_cmd, start_snakemake
+from fixtures_demo import (
+    make_workdir,
+    run_dir_of,
+    snakemake_cmd,
+    start_snakemake,
+    stop_snakemake,
+)
 
 from hsextract import status
 from hsextract.config import load_config
@@ -36,17 +42,6 @@ def status_json(workdir: Path) -> dict:
     proc = hsx_status(workdir, "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """Ctrl-C to the workflow's process group, as a person would; then wait."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def test_a_finished_run_is_all_done_with_eta_zero(demo_copy):
@@ -96,7 +91,7 @@ def test_a_run_in_progress_reports_counts_rate_eta_and_its_server(tmp_path):
             time.sleep(0.3)
         out, _ = proc.communicate(timeout=400)
     finally:
-        _stop(proc)
+        stop_snakemake(proc, signal.SIGINT)  # Ctrl-C, as a person would
     assert proc.returncode == 0, out[-4000:]
 
     assert mid["chunks_total"] == 4 and not mid["finished"]
