@@ -13,16 +13,21 @@ so they never share the GPU while timed):
 
 * off: ``SGLANG_HS_DUMP_DIR`` unset (the patch is inert): the records' ``/generate``
   requests, as many in flight as the on rounds have at most -- what the GPU can do;
-* on (``--modes codec@disk|shm[:jobs]``): the patch dumping, through the real client:
-  ``extract_chunk`` of the same records into chunk files, assembly, fsync and sha256
-  included, ``jobs`` chunks at a time, each worker taking the next chunk when its last one
-  is finished -- as ``snakemake -j N`` runs chunk jobs against one server.  ``disk`` writes
-  the chunk files in the work dir, ``shm`` on /dev/shm (tells the disk's share apart).
+* on (``--modes codec@disk|shm[:jobs[/sending[p]]]``): the patch dumping, through the
+  real client: ``extract_chunk`` of the same records into chunk files, assembly, fsync
+  and sha256 included, ``jobs`` chunks at a time, each worker taking the next chunk when
+  its last one is finished -- as ``snakemake -j N`` runs chunk jobs against one server --
+  with ``sending`` of them (``client.sending_jobs``) sending requests at once.  Workers are
+  threads of this process, or with ``p`` processes (as Snakemake's jobs are: no shared
+  GIL; started before the round).  ``disk`` writes the chunk files in the work dir,
+  ``shm`` on /dev/shm (tells the disk's share apart).  Each chunk file is deleted once its
+  job is done, so a long run fits the disk.
 
 Also the servers' own prefill throughput from their logs (the capture's cost inside the
 server), and a storage baseline: the same bytes written, fsynced and hashed with no
-extraction (the least finishing the chunk files costs).  A round is short (seconds), so
-its last chunks' finish shows in full; in a long run it shows once.  Last line:
+extraction (the least finishing the chunk files costs).  A round's last chunks' finish
+shows in full (in a real run it shows once), so each on round also reports when its last
+record was sent, and how much of the round some job was sending.  Last line:
 ``capture on/off throughput ratio: X (<first mode>: on Y, off Z tok/s)``.
 
 Measured on 2026-12-01: bench/README.md, "Capture on a live SGLang".
@@ -33,13 +38,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import multiprocessing
 import os
 import re
 import statistics
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -59,6 +65,23 @@ WIDE = dict(
     attention_bias=False, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
     torch_dtype="bfloat16", num_nextn_predict_layers=0,
 )  # fmt: skip
+
+
+def _import_client() -> None:
+    import hsextract.client  # noqa: F401  (torch and all, before the round's clock starts)
+
+
+def _chunk_job(cfg: dict, index: Path, dest: Path, tag: str, state: dict, c: Path) -> dict:
+    """One chunk job, as ``extract_chunk`` runs it in Snakemake; its file deleted after."""
+    from hsextract.client import extract_chunk
+
+    out = dest / f"hidden-{tag}-{c.stem}.safetensors"
+    sc = extract_chunk(copy.deepcopy(cfg), chunk_path=c, index_path=index, out_path=out,
+                       sidecar_path=out.with_suffix(".json"), ensure=lambda: state,
+                       progress=False)  # fmt: skip
+    out.unlink()
+    out.with_suffix(".json").unlink()
+    return sc
 
 
 def prefill_rates(log: Path, since: float) -> list[float]:
@@ -113,21 +136,22 @@ def storage_baseline(d: Path, nbytes: int, files: int) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--records", type=int, default=32)
-    ap.add_argument("--chunks", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--records", type=int, default=384)
+    ap.add_argument("--chunks", type=int, default=96)
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument(
         "--jobs",
         type=int,
-        default=4,
+        default=8,
         help="chunks extracted at once, one after another like snakemake -j N (0: all)",
     )
     ap.add_argument("--in-flight", type=int, default=4, help="per chunk")
     ap.add_argument(
         "--modes",
-        default="lossless@disk,none@disk,lossless@disk:2",
-        help="capture-on rounds, codec@disk|shm[:jobs] (chunk files on the work dir's disk "
-        "or on /dev/shm; jobs: --jobs); the first is the headline",
+        default="lossless@disk:8/4p,lossless@disk:4/4p",
+        help="capture-on rounds, codec@disk|shm[:jobs[/sending]] (chunk files on the work "
+        "dir's disk or on /dev/shm; jobs: --jobs; sending: client.sending_jobs, default "
+        "jobs); the first is the headline",
     )
     ap.add_argument("--work", default="/tmp/hsextract-bench-live")
     args = ap.parse_args()
@@ -136,7 +160,6 @@ def main() -> None:
     import yaml
 
     from hsextract import server
-    from hsextract.client import extract_chunk
     from hsextract.config import load_config
     from hsextract.records import merge_and_shuffle, split_chunks
     from hsextract.sglang import patching
@@ -160,8 +183,18 @@ def main() -> None:
     split_chunks(work / "merged" / "train.jsonl", chunks, work / "chunks" / "index.json")
     records = [json.loads(line) for c in chunks for line in c.read_text().splitlines()]
     jobs = args.jobs or len(chunks)
-    # -j of every mode: the off rounds keep as many requests in flight as the most of them.
-    most = max([jobs] + [int(m.partition(":")[2] or jobs) for m in args.modes.split(",")])
+
+    def parse_mode(m: str) -> tuple[str, str, int, int, bool]:
+        codec, _, where = m.partition("@")
+        where, _, js = where.partition(":")
+        j, _, sending = js.partition("/")
+        procs = sending.endswith("p")
+        sending = sending.removesuffix("p")
+        return codec, where, int(j or jobs), int(sending or j or jobs), procs
+
+    modes_spec = [parse_mode(m) for m in args.modes.split(",")]
+    # The off rounds keep as many requests in flight as the most any on round sends.
+    most = max(min(j, sending) for _, _, j, sending, _ in modes_spec)
 
     cfg = yaml.safe_load((REPO / "config.yaml").read_text())
     cfg.update(engine="sglang", inputs=[str(data)], output_root=str(work / "results"),
@@ -214,28 +247,49 @@ def main() -> None:
                                              f"{tag}-{r['id']}"), records))  # fmt: skip
         return time.monotonic() - t
 
-    def on_round(tag: str, codec: str, dest: Path, jobs: int) -> float:
+    def on_round(
+        tag: str,
+        codec: str,
+        dest: Path,
+        jobs: int,
+        sending: int,
+        procs: bool,
+        todo: list[Path] = chunks,
+    ) -> float:
         run_cfg = copy.deepcopy(cfg)
         run_cfg["storage"]["codec"] = codec
+        run_cfg["client"]["sending_jobs"] = sending
         dest.mkdir(parents=True, exist_ok=True)
-
-        def one(c: Path) -> None:
-            out = dest / f"hidden-{tag}-{c.stem}.safetensors"
-            extract_chunk(copy.deepcopy(run_cfg), chunk_path=c,
-                          index_path=work / "chunks" / "index.json", out_path=out,
-                          sidecar_path=out.with_suffix(".json"), ensure=lambda: states["on"],
-                          progress=False)  # fmt: skip
-
-        t = time.monotonic()
-        with ThreadPoolExecutor(jobs) as pool:
-            list(pool.map(one, chunks))
+        job = partial(_chunk_job, run_cfg, work / "chunks" / "index.json", dest, tag, states["on"])
+        if procs:
+            pool = ProcessPoolExecutor(
+                jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_import_client
+            )
+            list(pool.map(time.sleep, [2.0] * jobs))  # every worker started and imported
+        else:
+            pool = ThreadPoolExecutor(jobs)
+        t, wall = time.monotonic(), time.time()
+        with pool:
+            sidecars = list(pool.map(job, todo))
         dt = time.monotonic() - t
-        for f in dest.glob(f"hidden-{tag}-*.safetensors"):
-            written[(codec, dest.name)] = f.stat().st_size
-            f.unlink()
+        # How much of the round some job had records to send (the union of the jobs'
+        # [took its turn, sent its last record]): the gaps are where the server got nothing
+        # new from us.
+        spans = sorted((a - wall, b - wall) for a, b in (sc["sending"] for sc in sidecars))
+        covered, end = 0.0, 0.0
+        for a, b in spans:
+            covered += max(0.0, b - max(a, end))
+            end = max(end, b)
+        finish = statistics.median(sc["finished_at"] - sc["sending"][1] for sc in sidecars)
+        stored = sum(sc["bytes"] for sc in sidecars) / sum(
+            sc["states_raw_bytes"] for sc in sidecars
+        )
+        print(f"  {tag} {codec} -j{jobs}/{sending}{' processes' if procs else ''}: last record "
+              f"sent at {end:.2f} s of {dt:.2f} s; some job sending {covered / dt:.1%} of the "
+              f"round; median from last record sent to file done {finish:.2f} s; file bytes / "
+              f"raw states {stored:.3f}", flush=True)  # fmt: skip
         return dt
 
-    written: dict = {}
     dests = {"disk": work / "out", "shm": Path("/dev/shm/hsextract-bench-out")}
     try:
         # Warm-up: kernels compile on the first requests of each server.
@@ -243,12 +297,12 @@ def main() -> None:
         for r in records[:2]:
             generate(states["off"]["url"], r["input_ids"], f"warm-{r['id']}")
         modes = [("off", off_round)]
-        for m in args.modes.split(","):
-            codec, where = m.split("@")
-            where, _, j = where.partition(":")
-            fn = partial(on_round, codec=codec, dest=dests[where], jobs=int(j or jobs))
-            modes.append((f"on {codec}@{where} -j{int(j or jobs)}", fn))
-        modes[1][1]("warm")
+        for codec, where, j, sending, procs in modes_spec:
+            fn = partial(on_round, codec=codec, dest=dests[where], jobs=j, sending=sending,
+                         procs=procs)  # fmt: skip
+            kind = " (processes)" if procs else ""
+            modes.append((f"on {codec}@{where} -j{j}, {sending} sending{kind}", fn))
+        modes[1][1]("warm", todo=[c for c in chunks if c.stat().st_size][:2])
         print(f"warm-up {time.monotonic() - t:.0f} s", flush=True)
         tokens = n * len(records)
         rows = []
@@ -265,12 +319,15 @@ def main() -> None:
             print(f"server log ({name}): {len(rates)} prefill batches, median {med} tok/s")
         # What the output disk itself does with the same bytes, same run: write + fsync,
         # then sha256 of the file (what finishing a chunk file costs at the least).
-        raw = tokens * 2 * WIDE["hidden_size"] * 4  # bf16, 3 aux layers + final
+        per_token = 2 * WIDE["hidden_size"] * 4  # bf16, 3 aux layers + final
+        raw = tokens * per_token
+        base = min(raw, 8 << 30)  # the rates, not the whole round: it may not fit the disk
         for where, d in dests.items():
-            w_s, f_s = storage_baseline(d, raw // jobs, jobs)
-            print(f"{where} baseline: {jobs} x {raw / jobs / 1e9:.2f} GB at once: "
-                  f"write {raw / w_s / 1e9:.2f} GB/s, fsync + sha256 {raw / f_s / 1e9:.2f} GB/s; "
-                  f"together {tokens / (w_s + f_s):,.0f} tok/s of states")  # fmt: skip
+            w_s, f_s = storage_baseline(d, base // jobs, jobs)
+            tps = base / per_token / (w_s + f_s)
+            print(f"{where} baseline: {jobs} x {base / jobs / 1e9:.2f} GB at once: "
+                  f"write {base / w_s / 1e9:.2f} GB/s, fsync + sha256 {base / f_s / 1e9:.2f} "
+                  f"GB/s; together {tps:,.0f} tok/s of states")  # fmt: skip
         print(
             f"{len(records)} records x {n} tokens per round in {args.chunks} chunk(s), {jobs} "
             f"at once, {args.in_flight} in flight per chunk, {args.rounds} rounds each, "

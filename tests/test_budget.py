@@ -110,3 +110,63 @@ def test_two_budgets_of_one_process_share_the_ledger_without_clashing(tmp_path: 
     for t in tokens:
         a.release(t)
     assert b.reserved() == 0
+
+
+def test_sending_turns_are_shared_and_handed_over(tmp_path: Path) -> None:
+    """Two turns, three jobs: the third waits until one gives its turn back, then takes it."""
+    import threading
+
+    from hsextract.budget import SendingTurn
+
+    a, b, c = (SendingTurn(tmp_path, 2, poll_s=0.005) for _ in range(3))
+    a.acquire()
+    b.acquire()
+    assert {a.index, b.index} == {0, 1}
+    assert SendingTurn.held(tmp_path)
+    got = threading.Event()
+    t = threading.Thread(target=lambda: (c.acquire(), got.set()))
+    t.start()
+    assert not got.wait(0.3)  # both turns taken: the third job waits
+    freed = a.index
+    a.release()
+    assert got.wait(10)
+    t.join()
+    assert c.index == freed
+    b.release()
+    c.release()
+    c.release()  # idempotent
+    assert not SendingTurn.held(tmp_path)
+
+
+def test_a_killed_jobs_turn_is_free_at_once(tmp_path: Path) -> None:
+    """A turn is an flock: a SIGKILLed job cannot leave it taken."""
+    import signal
+    import subprocess
+    import sys
+
+    from hsextract.budget import SendingTurn
+    from hsextract.server import remove_dump_dir_if_empty
+
+    dump = tmp_path / "dump"
+    dump.mkdir(mode=0o700)
+    code = (
+        "import sys, time; from pathlib import Path; from hsextract.budget import SendingTurn; "
+        f"SendingTurn(Path({str(dump)!r}), 1).acquire(); print('held', flush=True); "
+        "time.sleep(600)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        assert SendingTurn.held(dump)
+        assert not remove_dump_dir_if_empty(dump)  # a live job's turn: the dir stays
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not SendingTurn.held(dump)
+    mine = SendingTurn(dump, 1)
+    assert mine.acquire() < 1
+    mine.release()
+    assert remove_dump_dir_if_empty(dump)
+    assert not dump.exists()

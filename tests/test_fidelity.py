@@ -128,7 +128,57 @@ def test_fidelity_grid(
         # Every piece was consumed and every reservation released: the dump dir holds
         # nothing but our marker and the (empty) budget ledger.
         dump = tmp_path / "dump"
-        assert sorted(p.name for p in dump.iterdir()) == [".budget", ".hsextract-run"]
+        assert sorted(p.name for p in dump.iterdir()) == [".budget", ".hsextract-run", ".turns"]
         assert [p.name for p in (dump / ".budget").iterdir()] == ["lock"]
+        assert [p.name for p in (dump / ".turns").iterdir()] == ["turn-0"]
     finally:
         server.stop(state)
+
+
+def test_chunk_jobs_take_turns_to_send(demo_run, reference, tmp_path, monkeypatch):
+    """client.sending_jobs=1 with two chunk jobs at once: one sends while the other waits,
+    their sending spans never overlap, and both files are still exact."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    workdir, rd = demo_run["workdir"], demo_run["run_dir"]
+    monkeypatch.chdir(workdir)
+    cfg = copy.deepcopy(load_config(workdir / "config.yaml"))
+    cfg["client"]["sending_jobs"] = 1
+    cfg["dump"]["dir"] = str(tmp_path / "dump")
+    spec = server.build_spec(cfg, run_dir=tmp_path, log_path=tmp_path / "server.log")
+    state = server.start(spec, owner=__import__("os").getpid())
+    names = [Path(c["path"]).stem for c in demo_run["manifest"]["chunks"]][:2]
+    sidecars: dict[str, dict] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(names))
+
+    def job(name: str) -> None:
+        try:
+            start.wait()
+            sidecars[name] = extract_chunk(
+                copy.deepcopy(cfg),
+                chunk_path=rd / "chunks" / f"{name}.jsonl",
+                index_path=rd / "chunks" / "index.json",
+                out_path=tmp_path / f"{name}.safetensors",
+                sidecar_path=tmp_path / f"{name}.json",
+                ensure=lambda: state,
+                progress=False,
+            )
+        except BaseException as exc:
+            errors.append(exc)
+
+    try:
+        with ThreadPoolExecutor(len(names)) as pool:
+            list(pool.map(job, names))
+    finally:
+        server.stop(state)
+    assert not errors, errors
+    first, second = sorted((sidecars[n]["sending"] for n in names), key=lambda s: s[0])
+    assert first[0] <= first[1] <= second[0] <= second[1], (first, second)
+    assert max(sidecars[n]["waited_for_turn_s"] for n in names) > 0
+    for n in names:
+        compare_chunk(tmp_path / f"{n}.safetensors", reference)
+    # No turn is held once the jobs are done: the dump dir goes, turns and all.
+    assert server.remove_dump_dir_if_empty(tmp_path / "dump")
+    assert not (tmp_path / "dump").exists()

@@ -105,6 +105,7 @@ def test_a_run_in_progress_reports_counts_rate_eta_and_its_server(tmp_path):
     (flight,) = mid["in_flight"]
     assert flight["chunk"].startswith("chunk_") and flight["tokens_total"] > 0
     assert "workflow  running" in text and "in flight" in text and "alive and healthy" in text
+    assert flight["phase"] in ("waiting", "sending", "finishing")
     # The progress file of the chunk in flight moved before the chunk was done.
     assert progressed is not None, "no in-flight chunk ever reported tokens done"
     f = next(f for f in progressed["in_flight"] if f["tokens_done"] > 0)
@@ -164,6 +165,9 @@ def test_progress_file_is_rate_limited_atomic_and_removed(tmp_path):
     p.add(10)  # within the interval: kept in memory only
     data = json.loads(path.read_text())
     assert (data["tokens_done"], data["tokens_total"], data["pid"]) == (0, 100, os.getpid())
+    assert data["phase"] == "sending"
+    p.set_phase("waiting")  # a phase change is written at once, interval or not
+    assert json.loads(path.read_text())["phase"] == "waiting"
     p.interval_s = 0
     p.add(20)
     assert json.loads(path.read_text())["tokens_done"] == 30
@@ -203,6 +207,7 @@ def test_in_flight_ignores_a_dead_writer(tmp_path):
         )
     got = status._in_flight(hidden, {"chunk_00000", "chunk_00001", "chunk_00002"})
     assert [(f.chunk, f.tokens_done) for f in got] == [("chunk_00001", 7)]
+    assert got[0].phase == "sending"  # a file from before phases were written
 
 
 def test_last_error_reads_hsextract_errors_and_tracebacks(tmp_path):

@@ -15,6 +15,7 @@ once with the evidence: chunk, record id, rid, ranges, file.
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import logging
 import math
@@ -572,7 +573,7 @@ def _extract_chunk(
     tracker: ProgressFile,
 ) -> dict:
     from hsextract import __version__
-    from hsextract.budget import SharedByteBudget
+    from hsextract.budget import SendingTurn, SharedByteBudget
     from hsextract.chunks import ChunkWriter, check_chunk
     from hsextract.config import fingerprint, storage_codec
     from hsextract.records import Record, index_entry, load_chunk, records_digest
@@ -648,6 +649,10 @@ def _extract_chunk(
     bar = _progress(name, total_tokens, len(records), progress)
     tracker.set_total(total_tokens, len(records))
 
+    # A turn to send (client.sending_jobs per dump dir), held until the last record is
+    # sent: this job's writes, fsync and sha256 then overlap a waiting job's requests.
+    turn = SendingTurn(client.dump_dir, int(cfg["client"]["sending_jobs"]))
+    started = itertools.count(1)
     first_error: list[BaseException] = []
     chunk_stats = LayerStats(layer_names(geo.aux_layers, geo.num_layers))
 
@@ -657,6 +662,8 @@ def _extract_chunk(
         rec = records[j]
         try:
             token = shm.acquire(need(rec))
+            if next(started) == len(records):
+                turn.release()  # the last record goes out now: a waiting job may send
             try:  # the budget is held until the pieces' bytes are freed (dump closed)
                 with client.extract_dump(f"{name}-{j:06d}", rec.id, rec.input_ids) as dump:
                     mask = torch.tensor(rec.loss_mask, dtype=torch.uint8)
@@ -674,8 +681,14 @@ def _extract_chunk(
 
     pool = ThreadPoolExecutor(max_workers=int(cfg["client"]["requests_in_flight"]))
     try:
+        tracker.set_phase("waiting")
+        waited = turn.acquire()
+        tracker.set_phase("sending")
+        if waited >= 1:
+            log.info("%s: waited %.1f s for a turn to send (client.sending_jobs)", name, waited)
         futures = [pool.submit(one, j) for j in range(len(records))]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        turn.release()  # an empty chunk, or one that failed
         if first_error:
             for g in futures:
                 g.cancel()
@@ -685,6 +698,7 @@ def _extract_chunk(
             if isinstance(exc, OSError):
                 raise _write_error(name, out_path, exc) from exc
             raise ExtractionError(f"chunk {name}: {type(exc).__name__}: {exc}") from exc
+        tracker.set_phase("finishing")
         try:
             sha = writer.finish()
         except OSError as exc:
@@ -694,6 +708,7 @@ def _extract_chunk(
         writer.abort()
         raise
     finally:
+        turn.release()
         bar.close()
         shm.close()
     pool.shutdown(wait=True)
@@ -726,6 +741,9 @@ def _extract_chunk(
         "abandoned_requests": len(client.abandoned),
         "activation_stats": chunk_stats.report(),
         "shm_peak_bytes": shm.peak,
+        # Wall clock [took its turn to send, sent its last record].
+        "sending": [round(turn.taken_at or 0.0, 3), round(turn.released_at or 0.0, 3)],
+        "waited_for_turn_s": round(waited, 3),
     }
     from hsextract.server import write_json
 

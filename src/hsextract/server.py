@@ -564,18 +564,21 @@ def remove_dump_dir_if_empty(path: Path) -> bool:
     """Drop our dump dir when no piece and no live reservation is left: /dev/shm is RAM.
 
     Called once the server is stopped, so its tombstones (``.abandoned``) have done their
-    job; the budget ledger (``.budget``) goes when it holds no reservation of a live job.
+    job; the budget ledger (``.budget``) and the sending turns (``.turns``) go when no live
+    job holds a reservation or a turn.
     """
     import shutil
 
-    from hsextract.budget import LEDGER_DIR, SharedByteBudget
+    from hsextract.budget import LEDGER_DIR, TURNS_DIR, SendingTurn, SharedByteBudget
     from hsextract.capture import ABANDONED_DIR
     from hsextract.config import RUN_MARKER
 
     path = Path(path)
     if path.is_symlink() or not path.is_dir() or path.stat().st_uid != os.getuid():
         return False
-    if {p.name for p in path.iterdir()} - {RUN_MARKER, ABANDONED_DIR, LEDGER_DIR}:
+    if {p.name for p in path.iterdir()} - {RUN_MARKER, ABANDONED_DIR, LEDGER_DIR, TURNS_DIR}:
+        return False
+    if SendingTurn.held(path):
         return False
     if (path / LEDGER_DIR).is_dir():
         ledger = SharedByteBudget(path, 0)
@@ -584,7 +587,7 @@ def remove_dump_dir_if_empty(path: Path) -> bool:
                 return False
         finally:
             ledger.close()
-    for sub in (ABANDONED_DIR, LEDGER_DIR):
+    for sub in (ABANDONED_DIR, LEDGER_DIR, TURNS_DIR):
         if (path / sub).is_dir() and not (path / sub).is_symlink():
             shutil.rmtree(path / sub, ignore_errors=True)
     (path / RUN_MARKER).unlink(missing_ok=True)

@@ -80,6 +80,8 @@ class ProgressFile:
             "tokens_total": None,
             "records_done": 0,
             "records_total": None,
+            # waiting (for a turn to send: client.sending_jobs) | sending | finishing
+            "phase": "sending",
         }
         self._lock = threading.Lock()
         self._written = 0.0
@@ -89,6 +91,11 @@ class ProgressFile:
     def set_total(self, tokens: int, records: int) -> None:
         with self._lock:
             self.data.update(tokens_total=tokens, records_total=records)
+            self._write()
+
+    def set_phase(self, phase: str) -> None:
+        with self._lock:
+            self.data["phase"] = phase
             self._write()
 
     def add(self, tokens: int) -> None:
@@ -133,6 +140,7 @@ class InFlight:
     updated_at: float
     tokens_done: int
     tokens_total: int | None
+    phase: str = "sending"
 
 
 @dataclass
@@ -299,6 +307,7 @@ def _in_flight(hidden: Path, pending: set[str]) -> list[InFlight]:
                 updated_at=updated,
                 tokens_done=int(data.get("tokens_done") or 0),
                 tokens_total=data.get("tokens_total"),
+                phase=str(data.get("phase") or "sending"),
             )
         )
     return out
@@ -479,7 +488,7 @@ def render(st: Status) -> str:
     for f in st.in_flight:
         total = f"{f.tokens_total:,}" if f.tokens_total is not None else "?"
         lines.append(
-            f"          {f.chunk} in flight: {f.tokens_done:,} of {total} tokens, "
+            f"          {f.chunk} in flight ({f.phase}): {f.tokens_done:,} of {total} tokens, "
             f"for {_duration(st.now - f.started_at)} (pid {f.pid})"
         )
     if st.tokens_total is not None:

@@ -18,10 +18,16 @@ def test_workflow_sigkilled_mid_chunk_watchdog_stops_the_server(run: FaultRun):
     # Hold chunk_00001 open (record 5 hangs) so the kill lands mid-chunk, server alive.
     spec = run.spec(generate=[{"rid": "chunk_00001-000005", "nth": [1], "do": "hang"}])
     proc = run.popen("-j1", "extract_all", faults=spec)
+    dump = run.workdir / "shm" / "dump"
     try:
+        # Kill once record 5 hangs and another record's pieces wait in the dump dir (a
+        # record's pieces are read when its last pass is done), so the rerun has both a
+        # temp file and stale pieces to clear.
         deadline = time.monotonic() + 120
-        while not run.fault_log() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        while proc.poll() is None and time.monotonic() < deadline:
+            if run.fault_log() and any(dump.glob("chunk_00001-*")):
+                break
+            time.sleep(0.01)
         assert proc.poll() is None and run.fault_log(), "the run never reached the fault"
         live = next(run.run_dir.glob("state/server.*.live.json"))
         server = read_json(live)
@@ -39,7 +45,6 @@ def test_workflow_sigkilled_mid_chunk_watchdog_stops_the_server(run: FaultRun):
     assert f"owner {server['owner_pid']} gone, stopping server group" in run.log("server.log")
     assert run.assert_chunks_sound(allow_tmp=True) == ["chunk_00000"]
     assert list(run.hidden.glob(".chunk_00001.*.tmp")), "expected the killed writer's temp file"
-    dump = run.workdir / "shm" / "dump"
     assert any(dump.glob("chunk_00001-*")), "expected in-flight pieces of the killed run"
     assert dump.stat().st_mode & 0o777 == 0o700  # the dump dir is private
     # Snakemake's own directory lock outlives a SIGKILL; it says so, and how to clear it.
