@@ -232,7 +232,7 @@ def validate_sglang_config(cfg: dict, rel: SglangVersion | None = None) -> None:
     if clash:
         raise ConfigError(f"sglang.extra_env may not set {clash}: build_launch owns them")
     if rel is not None:
-        _check_deterministic_alignment(cfg, rel)
+        _check_deterministic_alignment(sg, int(server.get("chunked_prefill_size", 8192)), rel)
     if cfg.get("capture", "patch") == "hooks" and rel is not None and rel.hooks == "aux_capture":
         layers = cfg.get("aux_layers")
         if layers and layers[0] == 1:
@@ -249,28 +249,27 @@ def _option_value(args: list[str], flag: str) -> str | None:
     abbreviations too), the last one winning as in argparse; None if absent."""
     value = None
     for i, token in enumerate(args):
-        name, eq, inline = token.partition("=")
-        if token.startswith("--") and _matches(name, flag):
+        if token.startswith("--") and _matches(token, flag):
+            _, eq, inline = token.partition("=")
             value = inline if eq else (args[i + 1] if i + 1 < len(args) else None)
     return value
 
 
-def _check_deterministic_alignment(cfg: dict, rel: SglangVersion) -> None:
+def _check_deterministic_alignment(sg: dict, chunk: int, rel: SglangVersion) -> None:
     """Deterministic inference cuts chunked prefill at multiples of an alignment for some
     backends; a smaller chunk would leave every longer record unscheduled: a server that
     answers /health and never answers the request (0.5.14) or will not start (0.5.23)."""
-    extra = sglang_section(cfg)["extra_args"]
+    extra = sg["extra_args"]
     flag = "--enable-deterministic-inference"
     if not any(t.startswith("--") and _matches(t, flag) for t in extra):
         return
     backend = next(
         (v for v in (_option_value(extra, f) for f in rel.prefill_backend_args) if v), None
     )
-    chunk = int((cfg.get("server") or {}).get("chunked_prefill_size", 8192))
     for name, env_var, default in rel.deterministic_align:
         if backend != name:
             continue
-        align = int(sglang_section(cfg)["extra_env"].get(env_var, default))
+        align = int(sg["extra_env"].get(env_var, default))
         if chunk != -1 and chunk < align:
             raise ConfigError(
                 f"sglang.extra_args has --enable-deterministic-inference with the {name} "
