@@ -105,12 +105,13 @@ class Sampler:
     MemAvailable, so page cache is not counted, /dev/shm is), the summed RSS of processes
     started since, and how busy the GPU was."""
 
-    def __init__(self, period: float = 0.25) -> None:
+    def __init__(self, period: float = 0.25, before: set[int] | None = None) -> None:
         import psutil
 
         self.psutil = psutil
         self.period = period
-        self.before = set(psutil.pids())
+        # Processes that are not the contender's (a server started earlier is passed in).
+        self.before = before if before is not None else set(psutil.pids())
         self.base_used = self._used()
         self.base_shm = self._shm()
         self.peak = {"shm": 0, "ram": 0, "rss": 0}
@@ -268,6 +269,9 @@ def run_bare(work: Path, cfg_path: Path, records: list[dict], in_flight: int) ->
     del argv[i : i + 2]
     spec.argv = argv
     spec.env = {k: v for k, v in spec.env.items() if k != "SGLANG_HS_DUMP_DIR"}
+    import psutil
+
+    before = set(psutil.pids())  # the server's processes count as the contender's
     t = time.monotonic()
     state = server.start(spec, owner=os.getpid())
     load_s = time.monotonic() - t
@@ -287,7 +291,7 @@ def run_bare(work: Path, cfg_path: Path, records: list[dict], in_flight: int) ->
             list(pool.map(gen, [{**r, "id": "warm" + r["id"]} for r in (warm[:2] + warm[-2:])]))
         warm_s = time.monotonic() - t
         since = time.time()
-        with Sampler() as smp:
+        with Sampler(before=before) as smp:
             t = time.monotonic()
             with ThreadPoolExecutor(in_flight) as pool:
                 list(pool.map(gen, records))
@@ -314,6 +318,9 @@ def run_hsextract(work: Path, cfg_path: Path, jobs: int, tokens: int, timeout_s:
     t_start = time.time()
     with Sampler() as smp:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        healthy: list[float] = []
+        watch = threading.Thread(target=_watch_server, args=(work / "results", proc, healthy))
+        watch.start()
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -325,15 +332,13 @@ def run_hsextract(work: Path, cfg_path: Path, jobs: int, tokens: int, timeout_s:
                 rc = proc.wait()
             rc = f"timed out after {timeout_s:.0f} s (rc {rc})"
         t_end = time.time()
+        watch.join()
     log.close()
-    run_dirs = [p.parent.parent for p in (wd / "results").glob("*/state/server.json")]
     out: dict = {"rc": rc, "wall_s": round(t_end - t_start, 1), **smp.report()}
-    if not run_dirs:
-        out["error"] = "no server.json: " + (work / "logs" / "snakemake.log").read_text()[-3000:]
+    if not healthy:
+        out["error"] = "no server came up: " + (work / "logs" / "snakemake.log").read_text()[-3000:]
         return out
-    run = run_dirs[0]
-    state = json.loads((run / "state" / "server.json").read_text())
-    healthy = float(state.get("healthy_at") or state["started_at"])
+    run, healthy = Path(healthy[1]), healthy[0]
     chunks = sorted((run / "hidden").glob("chunk_*.safetensors"))
     sidecars = [json.loads(p.with_suffix(".json").read_text()) for p in chunks
                 if p.with_suffix(".json").exists()]  # fmt: skip
@@ -360,6 +365,20 @@ def run_hsextract(work: Path, cfg_path: Path, jobs: int, tokens: int, timeout_s:
         data = json.loads(man.read_text())
         out["manifest_totals"] = data["totals"]
     return out
+
+
+def _watch_server(results: Path, proc: subprocess.Popen, found: list) -> None:
+    """When the workflow's server became healthy: its state/server.json exists only while
+    it runs (the workflow's onsuccess stops it and removes the file)."""
+    while proc.poll() is None and not found:
+        for p in results.glob("*/state/server.json"):
+            try:
+                st = json.loads(p.read_text())
+            except (OSError, ValueError):
+                continue  # being written
+            found += [float(st.get("healthy_at") or st["started_at"]), str(p.parent.parent)]
+            break
+        time.sleep(0.2)
 
 
 def verify_hsextract(run: Path, deadline: float) -> dict:
@@ -459,7 +478,13 @@ def _permissive_module(name: str):
             return _Any()
 
     mod = types.ModuleType(name)
-    mod.__getattr__ = lambda key: _Any()  # type: ignore[method-assign]
+
+    def attr(key: str):
+        if key.startswith("__"):  # inspect and importlib probe __file__, __path__, ...
+            raise AttributeError(key)
+        return _Any()
+
+    mod.__getattr__ = attr  # type: ignore[method-assign]
     return mod
 
 
@@ -707,7 +732,7 @@ def main() -> None:
         save()
         subprocess.run(["tar", "-cJf", str(out_dir / "race-logs.tar.xz"), "-C", str(work),
                         "logs", *[str(p.relative_to(work)) for p in work.glob(
-                            "hsx/results/*/logs")]], check=False)  # fmt: skip
+                            "results/*/logs")]], check=False)  # fmt: skip
     c = results["contenders"]
     bare = c.get("bare", {}).get("tok_s")
     print("\ncontender      tok/s   /bare  B/token  shm GB  RAM GB  RSS GB  GPU%")
