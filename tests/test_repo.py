@@ -73,3 +73,31 @@ def test_missing_inputs_fail_the_plan_with_the_config_key(tmp_path):
     )
     assert proc.returncode != 0
     assert "nowhere/*.jsonl" in proc.stdout + proc.stderr and "inputs" in proc.stdout + proc.stderr
+
+
+def test_qwen3_8b_config_launches_hooks_on_the_eagle3_layers(tmp_path):
+    """configs/qwen3-8b-1xh200.yaml (the race's config): hooks on SGLang's EAGLE-3 default
+    layers for 36 layers, 64 requests admitted = 16 in flight x 4 sending jobs."""
+    import yaml
+
+    from hsextract.config import load_config
+    from hsextract.sglang.launch import build_launch
+
+    model = tmp_path / "Qwen3-8B"
+    model.mkdir()
+    shape = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+             "num_hidden_layers": 36, "hidden_size": 4096, "torch_dtype": "bfloat16"}  # fmt: skip
+    (model / "config.json").write_text(json.dumps(shape))
+    cfg = yaml.safe_load((REPO / "configs" / "qwen3-8b-1xh200.yaml").read_text())
+    cfg["model"]["path"] = str(model)
+    cfg["sglang"]["version"] = "0.5.14"  # no SGLang env here to detect it from
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    cfg = load_config(tmp_path / "c.yaml")
+    argv, env = build_launch(cfg, dump_dir=str(tmp_path / "dump"), port=30000)
+    hooks = json.loads(argv[argv.index("--forward-hooks") + 1])
+    aux = [h["config"]["layer"] for h in hooks if h["config"]["role"] == "aux"]
+    assert aux == [2, 18, 33]
+    assert argv[argv.index("--max-running-requests") + 1] == str(
+        cfg["client"]["requests_in_flight"] * cfg["client"]["sending_jobs"]
+    )
+    assert "SGLANG_HS_DUMP_DIR" not in env  # hooks carry the dump dir, not the patch's env

@@ -1,0 +1,763 @@
+"""The race: hsextract vs SpecForge's offline capture vs the bare SGLang server, one H200,
+a Qwen3-8B-shaped target, the same records, one run.  Runs on the H200 through the harness:
+
+    HSEXTRACT_TIMEOUT=585 HSEXTRACT_RUN="python3 bench/race.py" bash h200/run.sh
+
+with SpecForge's wheel and its ``scripts/prepare_hidden_states.py`` carried beside
+(``--specforge DIR``: ``specforge-0.2.0-py3-none-any.whl`` and the script; bench/README.md,
+"Race", says how to stage them).  SGLang 0.5.14, triton attention (the H200 payload has no
+FA3), random weights (``--load-format dummy``: SGLang's seeded dummy init, so every
+contender holds the same weights and no checkpoint is written).
+
+Records: token ids with a ShareGPT-like length distribution (lognormal, mean ~550, p99 ~4k,
+cap 8,192), seeded.  Contenders, one at a time on the GPU:
+
+* ``bare``: ``sglang.launch_server`` with hsextract's flags for this config minus the
+  capture (``--forward-hooks``), every record's ``/generate`` with 64 in flight: the ceiling;
+* ``hsextract``: ``snakemake -j8 extract_all`` with ``configs/qwen3-8b-1xh200.yaml`` (hooks,
+  lossless chunk files, fsync + sha256, manifest); the window runs from the server healthy
+  to Snakemake's exit (the model load is left out of every contender's window);
+* ``specforge`` / ``specforge-gz``: SpecForge's own ``HiddenStatesGenerator`` from its
+  script on its in-process SGLang engine (``specforge.offline_capture``), its defaults
+  (batch 32, 16 I/O threads, ``.ckpt`` per record; gzip 6 with ``--compress``), driven as
+  its ``main()`` does except the dataset: our token ids go straight into its collator (no
+  chat template), and ``load_format=dummy`` into its SGLang kwargs.  Its window ends when
+  its files are written and ``sync`` returned (it never fsyncs).  A prefix of the records
+  (a multiple of its batch, so ``drop_last`` drops none), sized by disk: it stores the
+  padding too.
+
+Figures per contender: tokens/s, ratio to bare, bytes on disk per token, peak /dev/shm,
+peak host RAM (MemTotal - MemAvailable over the baseline, and the largest summed RSS of
+processes started since), GPU busy share; the servers' own prefill rate and queue from
+their logs.  All of it goes to ``$OUT/race.json``; the logs to ``$OUT/race-logs.tar.xz``.
+Last line: ``race: hsextract/bare X, hsextract/specforge Y``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+#: Qwen3-8B's shape (config.json of Qwen/Qwen3-8B), random weights.
+QWEN3_8B = dict(
+    architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936,
+    hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_act="silu",
+    rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=None,
+    max_position_embeddings=40960, attention_bias=False, attention_dropout=0.0,
+    tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=151643,
+    eos_token_id=151645, use_cache=True, use_sliding_window=False, sliding_window=None,
+    max_window_layers=36, initializer_range=0.02,
+)  # fmt: skip
+#: What the H200 payload needs beyond the shipped config (sglang-h200 recipe): no FA3 in
+#: the slimmed kernel, no tokenizer (ids are sent), random weights.
+PAYLOAD_ARGS = ["--load-format", "dummy", "--attention-backend", "triton",
+                "--sampling-backend", "pytorch", "--skip-tokenizer-init"]  # fmt: skip
+PAYLOAD_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
+#: lognormal(mu, sigma): mean exp(mu + sigma^2/2) = 550, p99 exp(mu + 2.326 sigma) = 4000.
+MU, SIGMA, MIN_LEN, MAX_LEN = 5.677, 1.125, 16, 8192
+BYTES_PER_TOKEN = 2 * 4096 * 4  # bf16, 3 aux layers + the final state
+
+
+def lengths(n: int, seed: int) -> list[int]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    raw = np.exp(rng.normal(MU, SIGMA, n))
+    return np.clip(raw, MIN_LEN, MAX_LEN).astype(int).tolist()
+
+
+def write_records(path: Path, n: int, seed: int) -> list[int]:
+    """Seeded records: random ids, a random prompt prefix masked out (loss_mask 0)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed + 1)
+    lens = lengths(n, seed)
+    with open(path, "w") as f:
+        for i, n_tok in enumerate(lens):
+            ids = rng.integers(2, QWEN3_8B["vocab_size"], n_tok).tolist()
+            cut = int(rng.integers(0, n_tok))
+            rec = {
+                "id": f"r{i:06d}",
+                "input_ids": ids,
+                "loss_mask": [0] * cut + [1] * (n_tok - cut),
+            }
+            f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+    return lens
+
+
+class Sampler:
+    """Peaks while a contender runs: /dev/shm used, host RAM in use (MemTotal -
+    MemAvailable, so page cache is not counted, /dev/shm is), the summed RSS of processes
+    started since, and how busy the GPU was."""
+
+    def __init__(self, period: float = 0.25, before: set[int] | None = None) -> None:
+        import psutil
+
+        self.psutil = psutil
+        self.period = period
+        # Processes that are not the contender's (a server started earlier is passed in).
+        self.before = before if before is not None else set(psutil.pids())
+        self.base_used = self._used()
+        self.base_shm = self._shm()
+        self.peak = {"shm": 0, "ram": 0, "rss": 0}
+        self.gpu_busy: list[int] = []
+        self.cpu_busy: list[float] = []
+        psutil.cpu_percent()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = (pynvml, pynvml.nvmlDeviceGetHandleByIndex(0))
+        except Exception:  # no GPU here (a dry run): no busy figure
+            self._nvml = None
+
+    @staticmethod
+    def _shm() -> int:
+        st = os.statvfs("/dev/shm")
+        return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+    @staticmethod
+    def _used() -> int:
+        info = {}
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            k, v = line.split(":", 1)
+            info[k] = int(v.split()[0]) * 1024
+        return info["MemTotal"] - info["MemAvailable"]
+
+    def _rss(self) -> int:
+        total = 0
+        for p in self.psutil.process_iter(["pid"]):
+            if p.info["pid"] in self.before:
+                continue
+            try:
+                total += p.memory_info().rss
+            except (self.psutil.NoSuchProcess, self.psutil.AccessDenied):
+                pass
+        return total
+
+    def _run(self) -> None:
+        k = 0
+        while not self._stop.wait(self.period):
+            self.peak["shm"] = max(self.peak["shm"], self._shm() - self.base_shm)
+            self.peak["ram"] = max(self.peak["ram"], self._used() - self.base_used)
+            if k % 4 == 0:  # RSS of every process costs more: once a second
+                self.peak["rss"] = max(self.peak["rss"], self._rss())
+                self.cpu_busy.append(self.psutil.cpu_percent())
+            if self._nvml:
+                nv, h = self._nvml
+                self.gpu_busy.append(nv.nvmlDeviceGetUtilizationRates(h).gpu)
+            k += 1
+
+    def __enter__(self) -> Sampler:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join()
+
+    def report(self) -> dict:
+        return {
+            "peak_shm_gb": round(self.peak["shm"] / 1e9, 2),
+            "peak_ram_gb": round(self.peak["ram"] / 1e9, 2),
+            "peak_rss_gb": round(self.peak["rss"] / 1e9, 2),
+            "gpu_busy_pct": round(statistics.mean(self.gpu_busy), 1) if self.gpu_busy else None,
+            # All cores, mean and peak of 1-s samples (16 cores: 100 % = all 16 busy).
+            "cpu_busy_pct": [round(statistics.mean(self.cpu_busy), 1), max(self.cpu_busy)]
+            if self.cpu_busy
+            else None,
+        }
+
+
+def server_log_figures(log: Path, since: float = 0.0) -> dict:
+    """SGLang's own prefill batches: input throughput and queue length per batch."""
+    rates, queue, tokens = [], [], []
+    stamp = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)")
+    for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
+        if "Prefill batch" not in line:
+            continue
+        m = stamp.search(line)
+        if since and m and time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) < since - 1:
+            continue
+        r = re.search(r"input throughput \(token/s\): ([\d.]+)", line)
+        q = re.search(r"#queue-req: (\d+)", line)
+        t = re.search(r"#new-token: (\d+)", line)
+        if r:
+            rates.append(float(r.group(1)))
+        if q:
+            queue.append(int(q.group(1)))
+        if t:
+            tokens.append(int(t.group(1)))
+    return {
+        "prefill_batches": len(rates),
+        "prefill_tok_s_median": round(statistics.median(rates)) if rates else None,
+        "tokens_per_batch_mean": round(statistics.mean(tokens)) if tokens else None,
+        "batches_with_empty_queue": sum(1 for x in queue if x == 0),
+        "batches_with_5plus_queued": sum(1 for x in queue if x >= 5),
+    }
+
+
+def disk_bytes(paths: list[Path]) -> int:
+    return sum(p.stat().st_blocks * 512 for p in paths)
+
+
+def gpu_used_mib() -> int:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        return int(pynvml.nvmlDeviceGetMemoryInfo(h).used // 2**20)
+    except Exception:
+        return 0
+
+
+def wait_gpu_free(limit_s: float = 60.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while gpu_used_mib() > 2000 and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+# --- the contenders ------------------------------------------------------------------------
+
+
+def hsx_config(work: Path, data: Path, n_chunks: int) -> Path:
+    """The shipped config for this shape, with this machine's paths and payload flags."""
+    import yaml
+
+    cfg = yaml.safe_load((REPO / "configs" / "qwen3-8b-1xh200.yaml").read_text())
+    cfg.update(inputs=[str(data)], output_root=str(work / "results"), n_chunks=n_chunks)
+    cfg["model"].update(path=str(work / "model"), revision="race-dummy")
+    cfg["sglang"].update(python=sys.executable, extra_args=PAYLOAD_ARGS, extra_env=PAYLOAD_ENV)
+    # Contenders run one after another: after a server stops, this machine's GPU keeps
+    # ~615 MiB in use with no process listed (seen in the first call), over the 200 MiB gate.
+    cfg["gpu"].update(wait_s=60, max_used_mib=2000)
+    (work / "hsx").mkdir(parents=True, exist_ok=True)
+    path = work / "hsx" / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def run_bare(work: Path, cfg_path: Path, records: list[dict], in_flight: int) -> dict:
+    """The same server and flags with no capture: every record's /generate."""
+    import requests
+
+    from hsextract import server
+    from hsextract.config import load_config
+
+    cfg = load_config(cfg_path)
+    spec = server.build_spec(cfg, run_dir=work / "bare", log_path=work / "logs" / "bare.log")
+    argv = list(spec.argv)
+    i = argv.index("--forward-hooks")
+    del argv[i : i + 2]
+    spec.argv = argv
+    spec.env = {k: v for k, v in spec.env.items() if k != "SGLANG_HS_DUMP_DIR"}
+    import psutil
+
+    before = set(psutil.pids())  # the server's processes count as the contender's
+    t = time.monotonic()
+    state = server.start(spec, owner=os.getpid())
+    load_s = time.monotonic() - t
+    local = threading.local()
+
+    def gen(rec: dict) -> None:
+        s = getattr(local, "s", None) or requests.Session()
+        local.s = s
+        body = {"input_ids": rec["input_ids"], "rid": f"bare-{rec['id']}",
+                "sampling_params": {"max_new_tokens": 0}}  # fmt: skip
+        s.post(f"{state['url']}/generate", json=body, timeout=600).raise_for_status()
+
+    try:
+        t = time.monotonic()
+        warm = sorted(records, key=lambda r: len(r["input_ids"]))
+        with ThreadPoolExecutor(4) as pool:  # kernels compile on the first shapes
+            list(pool.map(gen, [{**r, "id": "warm" + r["id"]} for r in (warm[:2] + warm[-2:])]))
+        warm_s = time.monotonic() - t
+        since = time.time()
+        with Sampler(before=before) as smp:
+            t = time.monotonic()
+            with ThreadPoolExecutor(in_flight) as pool:
+                list(pool.map(gen, records))
+            dt = time.monotonic() - t
+    finally:
+        server.stop(state)
+        shutil.rmtree(spec.dump_dir, ignore_errors=True)
+    tokens = sum(len(r["input_ids"]) for r in records)
+    return {
+        "seconds": round(dt, 2), "tokens": tokens, "records": len(records),
+        "tok_s": round(tokens / dt), "load_s": round(load_s, 1), "warmup_s": round(warm_s, 1),
+        "bytes_per_token": 0, **smp.report(),
+        "server": server_log_figures(work / "logs" / "bare.log", since),
+    }  # fmt: skip
+
+
+def run_hsextract(work: Path, cfg_path: Path, jobs: int, tokens: int, timeout_s: float) -> dict:
+    """``snakemake -jN extract_all`` as a user runs it."""
+    wd = cfg_path.parent
+    cmd = [sys.executable, "-m", "snakemake", "extract_all", "-s", str(REPO / "Snakefile"),
+           "--directory", str(wd), f"-j{jobs}", "--scheduler", "greedy",
+           "--configfile", str(cfg_path)]  # fmt: skip
+    log = open(work / "logs" / "snakemake.log", "w")  # noqa: SIM115 - closed below
+    t_start = time.time()
+    with Sampler() as smp:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        healthy: list[float] = []
+        watch = threading.Thread(target=_watch_server, args=(work / "results", proc, healthy))
+        watch.start()
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)  # Snakemake's onerror stops the server
+            try:
+                rc = proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                rc = proc.wait()
+            rc = f"timed out after {timeout_s:.0f} s (rc {rc})"
+        t_end = time.time()
+        watch.join()
+    log.close()
+    out: dict = {"rc": rc, "wall_s": round(t_end - t_start, 1), **smp.report()}
+    if not healthy:
+        out["error"] = "no server came up: " + (work / "logs" / "snakemake.log").read_text()[-3000:]
+        return out
+    run, healthy = Path(healthy[1]), healthy[0]
+    chunks = sorted((run / "hidden").glob("chunk_*.safetensors"))
+    sidecars = [json.loads(p.with_suffix(".json").read_text()) for p in chunks
+                if p.with_suffix(".json").exists()]  # fmt: skip
+    done_tokens = sum(s["tokens"] for s in sidecars)
+    window = t_end - healthy
+    out.update(
+        run_dir=str(run), load_s=round(healthy - t_start, 1), seconds=round(window, 2),
+        tokens=done_tokens, expected_tokens=tokens, chunks=len(sidecars),
+        records=sum(s["records"] for s in sidecars),
+        tok_s=round(done_tokens / window) if window > 0 else None,
+        bytes_per_token=round(disk_bytes(chunks) / max(done_tokens, 1), 1),
+        stored_over_raw=round(sum(s["states_stored_bytes"] for s in sidecars)
+                              / max(sum(s["states_raw_bytes"] for s in sidecars), 1), 3),
+        first_chunk_started=round(min(s["started_at"] for s in sidecars) - healthy, 2)
+        if sidecars else None,
+        waited_for_turn_s=round(sum(s["waited_for_turn_s"] for s in sidecars), 1),
+        shm_peak_in_sidecars_gb=round(max((s["shm_peak_bytes"] for s in sidecars), default=0)
+                                      / 1e9, 2),
+    )  # fmt: skip
+    out["server"] = server_log_figures(run / "logs" / "server.log", healthy)
+    man = run / "manifest.json"
+    out["manifest"] = man.exists()
+    if man.exists():
+        data = json.loads(man.read_text())
+        out["manifest_totals"] = data["totals"]
+    return out
+
+
+def _watch_server(results: Path, proc: subprocess.Popen, found: list) -> None:
+    """When the workflow's server became healthy: its state/server.json exists only while
+    it runs (the workflow's onsuccess stops it and removes the file)."""
+    while proc.poll() is None and not found:
+        for p in results.glob("*/state/server.json"):
+            try:
+                st = json.loads(p.read_text())
+            except (OSError, ValueError):
+                continue  # being written
+            found += [float(st.get("healthy_at") or st["started_at"]), str(p.parent.parent)]
+            break
+        time.sleep(0.2)
+
+
+def verify_hsextract(run: Path, deadline: float) -> dict:
+    """``hsextract verify`` of the manifest (re-hashes every chunk), if time allows."""
+    if time.monotonic() > deadline:
+        return {"verify": "skipped (time)"}
+    t = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "hsextract.cli", "verify", str(run / "manifest.json")],
+        capture_output=True, text=True, timeout=max(10.0, deadline - time.monotonic()),
+    )  # fmt: skip
+    return {"verify_rc": proc.returncode, "verify_s": round(time.monotonic() - t, 1),
+            "verify_out": (proc.stdout + proc.stderr)[-600:]}  # fmt: skip
+
+
+def sample_states(run: Path, ids: list[str]) -> dict:
+    """A few records' states from hsextract's chunks, for the cross-check with SpecForge."""
+    from hsextract.chunks import ChunkReader
+
+    want, got = set(ids), {}
+    for p in sorted((run / "hidden").glob("chunk_*.safetensors")):
+        r = ChunkReader(p)
+        for j, rid in enumerate(r.record_ids):
+            if rid in want:
+                rec = r[j]
+                got[rid] = {k: rec[k].clone() for k in ("input_ids", "hidden_states",
+                                                         "aux_hidden_states")}  # fmt: skip
+    return got
+
+
+def specforge_subset(lens: list[int], batch: int, padded_budget: int) -> int:
+    """How many records (a multiple of ``batch``) SpecForge gets: its padded tokens (each
+    batch padded to its longest record) stay under ``padded_budget`` (the disk)."""
+    n, padded = 0, 0
+    while n + batch <= len(lens):
+        add = max(lens[n : n + batch]) * batch
+        if padded + add > padded_budget:
+            break
+        n, padded = n + batch, padded + add
+    return n
+
+
+def run_specforge(work: Path, sf_dir: Path, n: int, compress: bool, timeout_s: float) -> dict:
+    """SpecForge's capture in a child process (its own torch.distributed world of one)."""
+    tag = "specforge-gz" if compress else "specforge"
+    out_dir = work / tag
+    res = work / f"{tag}.json"
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "_specforge",
+        "--work",
+        str(work),
+        "--specforge",
+        str(sf_dir),
+        "--n",
+        str(n),
+        "--out",
+        str(out_dir),
+        "--json",
+        str(res),
+    ]
+    if compress:
+        cmd.append("--compress")
+    log = open(work / "logs" / f"{tag}.log", "w")  # noqa: SIM115
+    with Sampler() as smp:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc = f"killed after {timeout_s:.0f} s"
+    log.close()
+    out = json.loads(res.read_text()) if res.exists() else {}
+    out.update(rc=rc, **smp.report())
+    files = sorted(out_dir.rglob("data_*.ckpt*"))
+    out["files"] = len(files)
+    if files:
+        out["bytes_per_token"] = round(disk_bytes(files) / max(out.get("tokens", 1), 1), 1)
+    if not res.exists():
+        out["error"] = (work / "logs" / f"{tag}.log").read_text()[-3000:]
+    return out
+
+
+def _permissive_module(name: str):
+    """A module whose every attribute is a decorator / type stand-in (never called here)."""
+    import types
+
+    class _Any:
+        def __call__(self, *a, **k):
+            return a[0] if len(a) == 1 and callable(a[0]) and not k else _Any()
+
+        def __getitem__(self, key):
+            return _Any()
+
+        def __getattr__(self, key):
+            return _Any()
+
+    mod = types.ModuleType(name)
+
+    def attr(key: str):
+        if key.startswith("__"):  # inspect and importlib probe __file__, __path__, ...
+            raise AttributeError(key)
+        return _Any()
+
+    mod.__getattr__ = attr  # type: ignore[method-assign]
+    return mod
+
+
+def specforge_worker(args: argparse.Namespace) -> None:
+    """Inside the child: SpecForge's script, as its main() drives it, on our records."""
+    import importlib.util
+    import socket
+    import types
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    try:
+        import cuda.tile  # noqa: F401
+    except ImportError:
+        # SGLang's dp_attn (which SpecForge's backend imports) pulls in flashinfer.comm,
+        # whose multi-GPU all-gather matmul imports cuTile at module level; the H200 image
+        # has no cuda-tile, and nothing on this one-GPU path calls it.
+        try:
+            import cuda
+        except ImportError:
+            cuda = sys.modules["cuda"] = types.ModuleType("cuda")
+        cuda.tile = sys.modules["cuda.tile"] = _permissive_module("cuda.tile")
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        # The script imports HF datasets for its conversation loader and tokenizing map,
+        # which we skip (our records are token ids already); nothing we call uses it.
+        stub = types.ModuleType("datasets")
+        stub.Dataset = type("Dataset", (), {})
+        sys.modules["datasets"] = stub
+    sf = Path(args.specforge)
+    sys.path.insert(0, str(sf / "site"))
+    spec = importlib.util.spec_from_file_location(
+        "prepare_hidden_states", sf / "prepare_hidden_states.py"
+    )
+    phs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(phs)
+    import torch
+    from transformers import AutoConfig
+
+    work = Path(args.work)
+    model = str(work / "model")
+    argv = ["--target-model-path", model, "--data-path", str(work / "data.jsonl"),
+            "--output-path", args.out, "--max-length", str(MAX_LEN), "--tp-size", "1",
+            "--batch-size", "32", "--sglang-attention-backend", "triton",
+            "--sglang-mem-fraction-static", "0.6"]  # fmt: skip
+    if args.compress:
+        argv.append("--compress")
+    sys.argv = ["prepare_hidden_states.py", *argv]
+    a = phs.parse_args()
+    a.num_io_threads = a.num_io_threads or max(1, os.cpu_count() or 1)  # as main() does
+    base_kwargs = phs._sglang_kwargs
+    phs._sglang_kwargs = lambda ns: {**base_kwargs(ns), "load_format": "dummy",
+                                     "skip_tokenizer_init": True}  # fmt: skip
+    t0 = time.monotonic()
+    tcfg = AutoConfig.from_pretrained(model)
+    plan = phs.resolve_offline_capture_plan(a, tcfg)
+    phs.init_distributed(timeout=a.dist_timeout, tp_size=a.tp_size)
+    target = phs.build_target_model(a, tcfg, capture_layers=list(plan.capture_layers),
+                                    capture_method=plan.capture_method)  # fmt: skip
+    load_s = time.monotonic() - t0
+    recs = []
+    with open(work / "data.jsonl") as f:
+        for line in f:
+            if len(recs) == args.n:
+                break
+            r = json.loads(line)
+            ids = torch.tensor(r["input_ids"], dtype=torch.long)[None]
+            recs.append(
+                {
+                    "input_ids": ids,
+                    "attention_mask": torch.ones_like(ids),
+                    "loss_mask": torch.tensor(r["loss_mask"], dtype=torch.long)[None],
+                }
+            )
+    # Warm-up outside the window, as the servers had: the first shapes compile kernels.
+    for k in (0, 1):
+        b = recs[k]
+        target.capture(**{key: v.cuda() for key, v in b.items()})
+    torch.cuda.synchronize()
+    loader = phs.prepare_dp_dataloaders(
+        recs,
+        batch_size=a.batch_size,
+        num_workers=a.num_workers,
+        shuffle=False,
+        process_group=phs.get_dp_group(),
+    )
+    padded = sum(max(x["input_ids"].shape[1] for x in recs[i : i + a.batch_size]) * a.batch_size
+                 for i in range(0, len(recs) - a.batch_size + 1, a.batch_size))  # fmt: skip
+    tokens = sum(x["input_ids"].shape[1] for x in recs[: len(loader) * a.batch_size])
+    t = time.monotonic()
+    with phs.HiddenStatesGenerator(target, capture_layout=plan.layout,
+                                   num_io_threads=a.num_io_threads, io_queue_size=a.io_queue_size,
+                                   file_group_size=a.file_group_size, compress=a.compress,
+                                   compression_level=a.compression_level) as gen:  # fmt: skip
+        gen.generate(loader, output_path=a.output_path, start_idx=0, samples_per_dp=len(recs))
+    written = time.monotonic() - t
+    os.sync()  # SpecForge never fsyncs: its files are durable once the page cache is written
+    dt = time.monotonic() - t
+    Path(args.json).write_text(json.dumps({
+        "seconds": round(dt, 2), "written_s": round(written, 2), "sync_s": round(dt - written, 2),
+        "tokens": tokens, "padded_tokens": padded, "records": len(loader) * a.batch_size,
+        "tok_s": round(tokens / dt), "load_s": round(load_s, 1),
+        "capture_layers": list(plan.capture_layers), "compress": a.compress,
+        "batch_size": a.batch_size, "num_io_threads": a.num_io_threads,
+    }))  # fmt: skip
+    phs.destroy_distributed()
+
+
+def crosscheck(hsx: dict, sf_dir: Path, n_files: int = 4) -> dict:
+    """hsextract's and SpecForge's states of the same records (relative RMS per layer)."""
+    import torch
+
+    out = {}
+    for rid, h in list(hsx.items())[:n_files]:
+        idx = int(rid[1:])
+        files = list(sf_dir.rglob(f"data_{idx}.ckpt"))
+        if not files:
+            continue
+        d = torch.load(files[0], map_location="cpu", weights_only=True)
+        n = h["input_ids"].numel()
+        same_ids = bool(torch.equal(d["input_ids"].view(-1)[:n].to(torch.int64),
+                                    h["input_ids"].to(torch.int64)))  # fmt: skip
+
+        def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+            a, b = a.float(), b.float()
+            return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
+
+        out[rid] = {
+            "tokens": n, "ckpt_tokens": int(d["input_ids"].numel()), "same_ids": same_ids,
+            "final_rel_rms": rel(d["hidden_state"][0, :n], h["hidden_states"]),
+            "aux_rel_rms": rel(d["aux_hidden_state"][0, :n], h["aux_hidden_states"]),
+        }  # fmt: skip
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--records", type=int, default=4000)
+    ap.add_argument("--chunks", type=int, default=32)
+    ap.add_argument("--jobs", type=int, default=8, help="snakemake -j")
+    ap.add_argument("--in-flight", type=int, default=64, help="bare: requests in flight")
+    ap.add_argument("--contenders", default="bare,hsextract,specforge,specforge-gz")
+    ap.add_argument(
+        "--specforge",
+        default=str(REPO / ".devcarry" / "specforge"),
+        help="dir with site/ (the wheel unpacked) and prepare_hidden_states.py",
+    )
+    ap.add_argument(
+        "--sf-padded-tokens",
+        type=float,
+        default=6e5,
+        help="SpecForge's share: padded tokens (its files hold the padding)",
+    )
+    ap.add_argument("--sf-gz-padded-tokens", type=float, default=3e5)
+    ap.add_argument("--sf-timeout", type=float, default=200, help="per SpecForge run")
+    ap.add_argument("--budget-s", type=float, default=540, help="the whole run's time limit")
+    ap.add_argument("--work", default="/tmp/hsextract-race")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dry-run", action="store_true", help="records, configs, plan; no GPU")
+    args = ap.parse_args()
+    t_begin = time.monotonic()
+    deadline = t_begin + args.budget_s
+    work = Path(args.work)
+    (work / "model").mkdir(parents=True, exist_ok=True)
+    (work / "logs").mkdir(exist_ok=True)
+    (work / "model" / "config.json").write_text(json.dumps(QWEN3_8B, indent=1))
+    data = work / "data.jsonl"
+    lens = write_records(data, args.records, args.seed)
+    tokens = sum(lens)
+    print(f"{len(lens)} records, {tokens:,} tokens: mean {statistics.mean(lens):.0f}, median "
+          f"{statistics.median(lens):.0f}, p99 {sorted(lens)[int(0.99 * len(lens))]}, max "
+          f"{max(lens)} ({time.monotonic() - t_begin:.0f} s)", flush=True)  # fmt: skip
+    cfg_path = hsx_config(work, data, args.chunks)
+    contenders = args.contenders.split(",")
+    results: dict = {"records": len(lens), "tokens": tokens, "argv": sys.argv,
+                     "contenders": {}}  # fmt: skip
+    out_dir = Path(os.environ.get("OUT", work / "out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        (out_dir / "race.json").write_text(json.dumps(results, indent=1, default=str))
+
+    n_sf = specforge_subset(lens, 32, int(args.sf_padded_tokens))
+    n_gz = specforge_subset(lens, 32, int(args.sf_gz_padded_tokens))
+    print(f"specforge gets {n_sf} records ({sum(lens[:n_sf]):,} tokens), with --compress "
+          f"{n_gz} ({sum(lens[:n_gz]):,})", flush=True)  # fmt: skip
+    if args.dry_run:
+        from hsextract import server
+        from hsextract.config import load_config
+
+        cfg = load_config(cfg_path)
+        cfg["sglang"]["version"] = "0.5.14"
+        spec = server.build_spec(cfg, run_dir=work, log_path=work / "logs" / "x.log")
+        print(" ".join(spec.argv))
+        return
+    records = [json.loads(line) for line in data.read_text().splitlines()]
+    samples: dict = {}
+    sf_n = {"specforge": (n_sf, False), "specforge-gz": (n_gz, True)}
+    try:
+        for name in contenders:  # in the order given
+            left = deadline - time.monotonic()
+            if left < 60:
+                results["contenders"][name] = {"skipped": f"{left:.0f} s left"}
+                continue
+            print(f"== {name}", flush=True)
+            if name == "bare":
+                r = run_bare(work, cfg_path, records, args.in_flight)
+            elif name == "hsextract":
+                rest = contenders[contenders.index(name) + 1 :]
+                r = run_hsextract(
+                    work, cfg_path, args.jobs, tokens, max(60.0, left - 150 * len(rest))
+                )
+                if r.get("manifest"):
+                    r.update(verify_hsextract(Path(r["run_dir"]), deadline - 150 * len(rest)))
+                    samples.update(sample_states(Path(r["run_dir"]),
+                                                 [f"r{i:06d}" for i in range(4)]))  # fmt: skip
+                if r.get("run_dir"):  # the disk is the next contender's
+                    side = work / "logs" / "sidecars"
+                    side.mkdir(exist_ok=True)
+                    for f in (Path(r["run_dir"]) / "hidden").glob("chunk_*.json"):
+                        shutil.copy(f, side / f.name)
+                    shutil.rmtree(Path(r["run_dir"]) / "hidden", ignore_errors=True)
+            else:
+                n, compress = sf_n[name]
+                limit = min(left - 20, args.sf_timeout)
+                r = run_specforge(work, Path(args.specforge), n, compress, limit)
+                keep = work / "sf-samples"  # a few of its files, for the cross-check
+                keep.mkdir(exist_ok=True)
+                for i in range(4):
+                    for f in (work / name).rglob(f"data_{i}.ckpt"):
+                        shutil.copy(f, keep / f.name)
+                shutil.rmtree(work / name, ignore_errors=True)
+            results["contenders"][name] = r
+            save()
+            print(json.dumps(r), flush=True)
+            wait_gpu_free()
+        if samples and (work / "sf-samples").exists():
+            results["crosscheck"] = crosscheck(samples, work / "sf-samples")
+            print("crosscheck", json.dumps(results["crosscheck"]), flush=True)
+    finally:
+        save()
+        subprocess.run(["tar", "-cJf", str(out_dir / "race-logs.tar.xz"), "-C", str(work),
+                        "logs", *[str(p.relative_to(work)) for p in work.glob(
+                            "results/*/logs")]], check=False)  # fmt: skip
+    c = results["contenders"]
+    bare = c.get("bare", {}).get("tok_s")
+    print("\ncontender      tok/s   /bare  B/token  shm GB  RAM GB  RSS GB  GPU%")
+    for name, r in c.items():
+        ts = r.get("tok_s")
+        ratio = f"{ts / bare:.3f}" if ts and bare else "-"
+        print(f"{name:13s} {ts or '-':>7} {ratio:>6} {r.get('bytes_per_token', '-'):>8} "
+              f"{r.get('peak_shm_gb', '-'):>7} {r.get('peak_ram_gb', '-'):>7} "
+              f"{r.get('peak_rss_gb', '-'):>7} {r.get('gpu_busy_pct', '-'):>5}")  # fmt: skip
+    h = c.get("hsextract", {}).get("tok_s")
+    s = c.get("specforge", {}).get("tok_s")
+    hb = f"{h / bare:.3f}" if h and bare else "n/a"
+    hs = f"{h / s:.3f}" if h and s else "n/a"
+    print(
+        f"race: hsextract/bare {hb}, hsextract/specforge {hs} ({time.monotonic() - t_begin:.0f} s)"
+    )
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_specforge":
+        p = argparse.ArgumentParser()
+        for k in ("--work", "--specforge", "--out", "--json"):
+            p.add_argument(k, required=True)
+        p.add_argument("--n", type=int, required=True)
+        p.add_argument("--compress", action="store_true")
+        specforge_worker(p.parse_args(sys.argv[2:]))
+    else:
+        main()
