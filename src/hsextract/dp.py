@@ -47,6 +47,12 @@ def tp_size(cfg: dict) -> int:
     return int((cfg.get("sglang") or {}).get("tp_size", 1)) if cfg["engine"] == "sglang" else 1
 
 
+def server_gpu_count(cfg: dict) -> int:
+    """GPUs one server takes (a chunk job's ``gpu`` resource): dp x tp; 0 on the
+    reference engine, which runs on CPU unless ``server.device`` says otherwise."""
+    return dp_size(cfg) * tp_size(cfg) if cfg["engine"] == "sglang" else 0
+
+
 def requests_in_flight(cfg: dict) -> int:
     """Requests one chunk job keeps in flight: ``client.requests_in_flight`` per replica."""
     return int(cfg["client"]["requests_in_flight"]) * dp_size(cfg)
