@@ -15,6 +15,7 @@ from hsextract.config import (
     launch_settings,
     run_dir,
 )
+from hsextract.dp import server_gpu_count
 from hsextract.server import (
     OWNER_ENV,
     OWNER_SCOPE_ENV,
@@ -32,6 +33,8 @@ validate(config, schema="../schemas/config.schema.yaml", set_default=True)
 check_semantics(config)
 
 RUN = run_dir(config)
+# What one server takes: a chunk job's GPUs (its group's allocation under SLURM asks this).
+SERVER_GPUS = server_gpu_count(config)
 FINGERPRINT = fingerprint(config)
 CHUNK_IDS = [f"{i:05d}" for i in range(config["n_chunks"])]
 MODEL_DIR = Path(config["model"]["path"])

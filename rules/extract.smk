@@ -43,6 +43,9 @@ rule extract_chunk:
         run_path("benchmarks/extract_chunk_{chunk}.tsv")
     params:
         chunk=run_path("chunks/chunk_{chunk}.jsonl"),
+    # sglang.dp_size x tp_size (0 for the reference engine): under SLURM, --gpus per group.
+    resources:
+        gpu=SERVER_GPUS,
     wildcard_constraints:
         chunk=r"\d{5}",
     conda:

@@ -263,6 +263,18 @@ def probe_free_bytes(path: Path) -> int:
     return shutil.disk_usage(p).free
 
 
+def probe_mem_available() -> int:
+    """Bytes of memory available now (``MemAvailable``); 0 where unknown (no check)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def human(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
         if abs(n) < 1000 or unit == "PB":
@@ -318,6 +330,9 @@ def preflight(
         "dump_dir": str(dump_dir),
         "dump_free_bytes": dump_free,
         "requests_that_fit_budget": int(fit),
+        # A chunk job holds each in-flight request's states once more while it packs
+        # them (read from the pieces, compressed, written): RAM beside /dev/shm's own.
+        "mem_available_bytes": probe_mem_available(),
     }
     problems = _problems(report, hidden_size, n_aux, dtype)
     if problems:
@@ -350,5 +365,14 @@ def _problems(r: dict[str, Any], hidden_size: int, n_aux: int, dtype: Any) -> li
             f"dump: {human(r['dump_bytes_in_flight'])} in flight but {r['dump_dir']} has "
             f"{human(r['dump_free_bytes'])} free; lower client.requests_in_flight, free "
             "/dev/shm, or point dump.dir at a larger filesystem"
+        )
+    need = 2 * r["dump_bytes_in_flight"]
+    if r["mem_available_bytes"] and need > r["mem_available_bytes"]:
+        out.append(
+            f"memory: {r['requests_in_flight']} requests in flight hold "
+            f"{human(r['dump_bytes_in_flight'])} of pieces in /dev/shm (RAM) and as much again "
+            f"in the chunk job while it packs them, {human(need)}, but "
+            f"{human(r['mem_available_bytes'])} is available; lower client.requests_in_flight "
+            "(per DP replica: x sglang.dp_size)"
         )
     return out

@@ -576,6 +576,7 @@ def _extract_chunk(
     from hsextract.budget import SendingTurn, SharedByteBudget
     from hsextract.chunks import ChunkWriter, check_chunk
     from hsextract.config import fingerprint, storage_codec
+    from hsextract.dp import budget_keys, requests_in_flight, shm_budget_bytes
     from hsextract.records import Record, index_entry, load_chunk, records_digest
 
     name = Path(chunk_path).stem
@@ -596,7 +597,7 @@ def _extract_chunk(
                 f"{index} says {str(want)[:12]}...; rerun split_chunks"
             )
     geo = model_geometry(cfg)
-    budget_bytes = int(float(cfg["dump"]["shm_budget_gb"]) * 2**30)
+    budget_bytes = shm_budget_bytes(cfg)  # per DP replica (hsextract.dp)
     cps = int(cfg["server"]["chunked_prefill_size"])
 
     def need(rec: Record) -> int:
@@ -607,8 +608,8 @@ def _extract_chunk(
         raise ExtractionError(
             f"chunk {name}: the longest record ({longest_rec.id!r}, "
             f"{len(longest_rec.input_ids)} tokens) needs {need(longest_rec) / 2**20:.2f} MiB "
-            f"of dump space, more than dump.shm_budget_gb={cfg['dump']['shm_budget_gb']} "
-            f"({budget_bytes / 2**20:.2f} MiB); raise it"
+            f"of dump space, more than dump.shm_budget_gb={cfg['dump']['shm_budget_gb']}"
+            f"{budget_keys(cfg)} ({budget_bytes / 2**20:.2f} MiB); raise it"
         )
     client = Client(cfg, geo, ensure)
     stale = client.remove_stale_pieces(name)
@@ -679,7 +680,7 @@ def _extract_chunk(
         bar.update(len(rec.input_ids))
         tracker.add(len(rec.input_ids))
 
-    pool = ThreadPoolExecutor(max_workers=int(cfg["client"]["requests_in_flight"]))
+    pool = ThreadPoolExecutor(max_workers=requests_in_flight(cfg))  # per DP replica
     try:
         tracker.set_phase("waiting")
         waited = turn.acquire()

@@ -275,12 +275,18 @@ def launch_settings(cfg: dict) -> dict[str, Any]:
     }
     if cfg.get("prenorm_final"):  # only when on: a digest from before it stays the same
         out["prenorm_final"] = True
+    # dp_size only when > 1: a digest from before it existed stays the same.
+    dp = int((cfg.get("sglang") or {}).get("dp_size", 1))
     if cfg["engine"] == "reference":
         out["device"] = server["device"]
         out["batch_invariant"] = server["batch_invariant"]
+        if dp > 1:
+            out["dp_size"] = dp
     else:
         out["capture"] = cfg.get("capture", "patch")
-        out["sglang"] = dict(cfg.get("sglang") or {})
+        out["sglang"] = {
+            k: v for k, v in (cfg.get("sglang") or {}).items() if not (k == "dp_size" and v == 1)
+        }
     return out
 
 

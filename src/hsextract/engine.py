@@ -10,6 +10,15 @@ DECODE passes (``max_new_tokens`` > 0) capture nothing, as in the patch.
 
 API (what the hsextract client uses): ``GET /health``, ``GET /get_model_info``,
 ``POST /generate`` with ``input_ids``, ``rid`` and ``sampling_params.max_new_tokens``.
+
+Data parallel (``--dp-size N``), as SGLang 0.5.14 runs it (``data_parallel_controller.py``):
+N worker processes, each a model copy with its own scheduler and its own capture writer,
+behind the one HTTP port; a controller in the front process hands each request to one
+worker (``--load-balance-method``: round robin, SGLang's default, or fewest requests) and
+sends ``/abort_request`` to every worker, as SGLang's controller does with every message
+that is not a request (its dispatcher's fallback, ``send_control_message``).  Like
+SGLang's controller it never checks that a worker is alive: a request handed to a dead
+worker is never answered (``hsextract.dp`` explains what notices instead).
 """
 
 from __future__ import annotations
@@ -18,8 +27,10 @@ import argparse
 import inspect
 import json
 import logging
+import multiprocessing as mp
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -28,6 +39,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from multiprocessing.connection import Connection, wait
 
 import torch
 
@@ -57,6 +69,8 @@ class Request:
     kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     output_ids: list[int] = field(default_factory=list)
     last_logits: torch.Tensor | None = None
+    #: The DP worker that served it (dp > 1), as the front learns from the worker.
+    dp_rank: int | None = None
 
     @property
     def remaining(self) -> int:
@@ -105,6 +119,18 @@ class ModelRunner:
         params = inspect.signature(self.model.model.forward).parameters
         # transformers renamed past_key_values -> cache; accept either release.
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    def describe(self) -> dict:
+        """What the HTTP front needs to know of the model (it may hold no copy itself)."""
+        return {
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "aux_layers": self.aux_layers,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "capture": self.writer is not None,
+            "batch_invariant": self.batch_invariant,
+            "vocab_size": int(self.config.vocab_size),
+        }
 
     def _take_prenorm(self, module: torch.nn.Module, args: tuple) -> None:
         self._prenorm = args[0]
@@ -246,6 +272,14 @@ class Scheduler:
     def stop(self) -> None:
         self._stop.set()
 
+    def load(self) -> dict:
+        """Requests running and waiting, and the last aborts (for /get_server_info)."""
+        return {
+            "running": len(self.running),
+            "waiting": self.waiting.qsize(),
+            "aborted": self.aborts[-100:],
+        }
+
     def abort(self, rid: str) -> None:
         """SGLang's /abort_request: the request runs no further pass (waiting or running)."""
         with self._abort_lock:
@@ -325,18 +359,19 @@ class Scheduler:
 
 
 class EngineServer:
-    """The HTTP front: validates requests like SGLang and hands them to the scheduler."""
+    """The HTTP front: validates requests like SGLang and hands them to the scheduler (at
+    dp > 1 the :class:`DataParallelController`, which has the same four methods)."""
 
     def __init__(
         self,
-        runner: ModelRunner,
-        scheduler: Scheduler,
+        info: dict,
+        scheduler: Scheduler | DataParallelController,
         *,
         context_length: int,
         model_path: str,
         api_key: str | None,
     ) -> None:
-        self.runner = runner
+        self.info = info  # ModelRunner.describe()
         self.scheduler = scheduler
         self.context_length = context_length
         self.model_path = model_path
@@ -349,23 +384,12 @@ class EngineServer:
             "context_length": self.context_length,
             "engine": "reference",
             "engine_version": __version__,
-            "hidden_size": self.runner.hidden_size,
-            "num_hidden_layers": self.runner.num_layers,
-            "aux_layers": self.runner.aux_layers,
-            "dtype": str(self.runner.dtype).removeprefix("torch."),
-            "capture": self.runner.writer is not None,
-            "batch_invariant": self.runner.batch_invariant,
+            **{k: v for k, v in self.info.items() if k != "vocab_size"},
         }
 
     def server_info(self) -> dict:
         """The subset of SGLang's /get_server_info the client records."""
-        return {
-            "version": __version__,
-            "engine": "reference",
-            "running": len(self.scheduler.running),
-            "waiting": self.scheduler.waiting.qsize(),
-            "aborted": self.scheduler.aborts[-100:],
-        }
+        return {"version": __version__, "engine": "reference", **self.scheduler.load()}
 
     def generate(self, body: dict) -> tuple[int, dict]:
         ids = body.get("input_ids")
@@ -379,7 +403,7 @@ class EngineServer:
             return 400, {
                 "error": f"input length {len(ids)} exceeds context length {self.context_length}"
             }
-        vocab = int(self.runner.config.vocab_size)
+        vocab = int(self.info["vocab_size"])
         if any(t < 0 or t >= vocab for t in ids):
             return 400, {"error": f"token id outside [0, {vocab})"}
         rid = str(body.get("rid") or f"ref-{time.monotonic_ns():x}")
@@ -404,6 +428,7 @@ class EngineServer:
             "output_ids": req.output_ids,
             "meta_info": {
                 "id": rid,
+                **({"dp_rank": req.dp_rank} if req.dp_rank is not None else {}),
                 "prompt_tokens": len(ids),
                 "completion_tokens": len(req.output_ids),
                 "finish_reason": {"type": "length", "length": max_new},
@@ -464,6 +489,206 @@ class EngineServer:
         return Handler
 
 
+class DataParallelController:
+    """SGLang's data-parallel controller for the reference engine: ``n`` worker processes,
+    each a :class:`ModelRunner` and :class:`Scheduler` of its own (spawned: a fork of a
+    process holding torch threads is not safe), one pipe each.
+
+    ``round_robin`` (SGLang's ``auto`` without disaggregation) hands requests out in turn;
+    ``total_requests`` to the worker with the fewest unanswered ones.  Aborts go to every
+    worker: the controller does not know which holds a rid (SGLang's does not either).
+    """
+
+    def __init__(self, args: argparse.Namespace, n: int, method: str = "round_robin") -> None:
+        ctx = mp.get_context("spawn")
+        self.n, self.method = n, method
+        self.procs: list = []
+        self.conns: list[Connection] = []
+        for rank in range(n):
+            parent, child = ctx.Pipe()
+            # By its module's name, also when this runs as __main__ (python -m).
+            from hsextract.engine import _worker_main as target
+
+            proc = ctx.Process(target=target, args=(vars(args), rank, child), daemon=True)
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+        self.info: dict = {}
+        for rank, conn in enumerate(self.conns):
+            try:
+                kind, info = conn.recv()
+            except EOFError:
+                raise RuntimeError(
+                    f"DP worker {rank} (pid {self.procs[rank].pid}) died while loading"
+                ) from None
+            self.info = self.info or info
+            log.info("DP worker %d up (pid %d)", rank, self.procs[rank].pid)
+        self._lock = threading.Lock()
+        self._send_locks = [threading.Lock() for _ in range(n)]
+        self._next = 0
+        self.pending: dict[str, tuple[Request, int]] = {}
+        self.served = [0] * n
+        self.aborts: list[dict] = []
+        self._reader = threading.Thread(target=self._read, name="dp-reader", daemon=True)
+
+    def start(self) -> None:
+        self._reader.start()
+
+    def stop(self) -> None:
+        for rank in range(self.n):
+            self._send(rank, ("stop",))
+
+    def _send(self, rank: int, msg: tuple) -> bool:
+        try:
+            with self._send_locks[rank]:
+                self.conns[rank].send(msg)
+            return True
+        except OSError:
+            return False  # a dead worker: like SGLang's zmq PUSH, nothing is reported
+
+    def _pick(self) -> int:
+        if self.method == "total_requests":
+            load = [0] * self.n
+            for _, rank in self.pending.values():
+                load[rank] += 1
+            return load.index(min(load))
+        rank, self._next = self._next, (self._next + 1) % self.n
+        return rank
+
+    def submit(self, req: Request) -> Future:
+        with self._lock:
+            rank = self._pick()
+            self.pending[req.rid] = (req, rank)
+        if not self._send(rank, ("generate", req.rid, req.input_ids, req.max_new_tokens)):
+            log.warning("request %s went to DP worker %d, which is gone", req.rid, rank)
+        return req.future
+
+    def abort(self, rid: str) -> None:
+        for rank in range(self.n):
+            self._send(rank, ("abort", rid))
+
+    def load(self) -> dict:
+        with self._lock:
+            running = [0] * self.n
+            for _, rank in self.pending.values():
+                running[rank] += 1
+            return {
+                "running": sum(running),
+                "waiting": 0,
+                "aborted": self.aborts[-100:],
+                "dp_size": self.n,
+                "dp_running": running,
+                "dp_served": list(self.served),
+                "dp_alive": [p.is_alive() for p in self.procs],
+            }
+
+    def _read(self) -> None:
+        """Answers from every worker; a worker that died is dropped from the wait list
+        and its pending requests stay unanswered (SGLang's controller does the same)."""
+        live = {conn: rank for rank, conn in enumerate(self.conns)}
+        while live:
+            for conn in wait(list(live)):
+                rank = live[conn]
+                try:
+                    kind, rid, payload = conn.recv()
+                except (EOFError, OSError):
+                    del live[conn]
+                    self.procs[rank].join(timeout=1)
+                    log.error(
+                        "DP worker %d (pid %d) exited with code %s",
+                        rank, self.procs[rank].pid, self.procs[rank].exitcode,
+                    )  # fmt: skip
+                    continue
+                with self._lock:
+                    req, _ = self.pending.pop(rid, (None, rank))
+                    if kind == "done":
+                        self.served[rank] += 1
+                    elif kind == "aborted":
+                        self.aborts.append(payload)
+                if req is None or req.future.done():
+                    continue
+                req.dp_rank = rank
+                if kind == "done":
+                    req.output_ids = payload
+                    req.future.set_result(req)
+                elif kind == "aborted":
+                    req.future.set_exception(RequestAborted(rid))
+                else:
+                    req.future.set_exception(RuntimeError(payload))
+
+
+def _die_with_parent(rank: int) -> None:
+    """Linux: SIGKILL this worker when the front dies (SGLang's
+    ``kill_itself_when_parent_died``), and name it so ``hsextract.dp`` can count it."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    libc.prctl(15, f"hsref::dp{rank}".encode())  # PR_SET_NAME (comm, 15 bytes)
+
+
+def _worker_main(argv: dict, rank: int, conn: Connection) -> None:
+    """One DP worker: load the model, schedule what the front sends, answer on ``conn``."""
+    _die_with_parent(rank)
+    args = argparse.Namespace(**argv)
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s DP{rank} %(name)s %(message)s", force=True
+    )
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    writer = get_writer()
+    runner = ModelRunner(
+        args.model_path, args.dtype, args.device, args.aux_layers, writer, args.batch_invariant
+    )
+    scheduler = Scheduler(runner, args.chunked_prefill_size, args.max_running_requests)
+    scheduler.start()
+    send_lock = threading.Lock()
+
+    def reply(msg: tuple) -> None:
+        try:
+            with send_lock:
+                conn.send(msg)
+        except OSError:
+            pass  # the front is gone; PDEATHSIG ends us
+
+    def answer(future: Future) -> None:
+        req = future_req[future]
+        exc = future.exception()
+        if exc is None:
+            reply(("done", req.rid, req.output_ids))
+        elif isinstance(exc, RequestAborted):
+            record = next((a for a in scheduler.aborts if a["rid"] == req.rid), {"rid": req.rid})
+            reply(("aborted", req.rid, record))
+        else:
+            reply(("error", req.rid, f"{type(exc).__name__}: {exc}"))
+
+    future_req: dict[Future, Request] = {}
+    reply(("ready", runner.describe()))
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break
+            if msg[0] == "generate":
+                _, rid, ids, max_new = msg
+                req = Request(rid=rid, input_ids=ids, max_new_tokens=max_new)
+                future_req[req.future] = req
+                scheduler.submit(req).add_done_callback(answer)
+            elif msg[0] == "abort":
+                scheduler.abort(msg[1])
+            elif msg[0] == "stop":
+                break
+    finally:
+        scheduler.stop()
+        if writer is not None:
+            writer.close()
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # Flag names mirror sglang.launch_server's, so both engines read alike in server.json.
     p = argparse.ArgumentParser(prog="python -m hsextract.engine", description=__doc__)
@@ -474,7 +699,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--context-length", type=int, required=True)
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
-    p.add_argument("--max-running-requests", type=int, default=8)
+    p.add_argument("--max-running-requests", type=int, default=8, help="per DP worker")
+    p.add_argument("--dp-size", type=int, default=1, help="data-parallel worker processes")
+    p.add_argument(
+        "--load-balance-method",
+        default="round_robin",
+        choices=["round_robin", "total_requests"],
+        help="how the DP controller picks a worker (SGLang's names)",
+    )
     p.add_argument("--aux-layers", type=json.loads, default=None, help="JSON list")
     p.add_argument("--api-key", default=os.environ.get("HSEXTRACT_API_KEY"))
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: default)")
@@ -492,14 +724,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    writer = get_writer()
-    runner = ModelRunner(
-        args.model_path, args.dtype, args.device, args.aux_layers, writer, args.batch_invariant
-    )
-    scheduler = Scheduler(runner, args.chunked_prefill_size, args.max_running_requests)
+    writer = None
+    if args.dp_size > 1:
+        # The workers load the model and write the pieces; the front holds neither.
+        scheduler: Scheduler | DataParallelController = DataParallelController(
+            args, args.dp_size, args.load_balance_method
+        )
+        info = scheduler.info
+    else:
+        writer = get_writer()
+        runner = ModelRunner(
+            args.model_path, args.dtype, args.device, args.aux_layers, writer, args.batch_invariant
+        )
+        scheduler = Scheduler(runner, args.chunked_prefill_size, args.max_running_requests)
+        info = runner.describe()
     scheduler.start()
     engine = EngineServer(
-        runner,
+        info,
         scheduler,
         context_length=args.context_length,
         model_path=args.model_path,
@@ -508,11 +749,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     httpd = ThreadingHTTPServer((args.host, args.port), engine.handler())
     httpd.daemon_threads = True
     log.info(
-        "reference engine up on %s:%d (capture %s, aux layers %s)",
+        "reference engine up on %s:%d (capture %s, aux layers %s, %d DP worker(s))",
         args.host,
         args.port,
-        "on" if writer else "off",
-        runner.aux_layers,
+        "on" if info["capture"] else "off",
+        info["aux_layers"],
+        args.dp_size,
     )
     try:
         httpd.serve_forever()

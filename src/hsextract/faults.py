@@ -26,7 +26,7 @@ Spec (every key optional)::
         {"chunk": "chunk_00001", "nth": [3], "do": "enospc"}
       ],
       "extend": [                    # after each extend pass holding a matching request
-        {"rid": "chunk_00001", "nth": [1], "do": "slow", "seconds": 3}
+        {"rid": "chunk_00001", "nth": [1], "do": "slow" | "kill", "seconds": 3}
       ]
     }
 
@@ -43,7 +43,9 @@ list, or ``"all"``, the default).  Actions:
 - ``flip_id``: change the first token id stored in one piece -- broken token parity;
 - ``enospc``: raise ``OSError(ENOSPC)`` from the chunk writer, as a full disk would;
 - ``slow``: the scheduler sleeps ``seconds`` after the pass, as a slow forward would, so a
-  request outlives the client's timeout with passes still to run.
+  request outlives the client's timeout with passes still to run;
+- extend ``kill``: SIGKILL the process that ran the pass -- with ``--dp-size`` > 1 one DP
+  worker, mid-chunk, the others living on.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ ENV = "HSEXTRACT_FAULTS"
 _GENERATE_ACTIONS = {"500", "hang", "kill"}
 _PIECE_ACTIONS = {"truncate", "bad_header", "drop", "flip_id"}
 _WRITE_ACTIONS = {"enospc"}
-_EXTEND_ACTIONS = {"slow"}
+_EXTEND_ACTIONS = {"slow", "kill"}
 
 
 class FaultSpecError(ValueError):
@@ -158,6 +160,9 @@ def after_extend(rids: list[str]) -> None:
     """Called by the engine's scheduler after each extend pass: make it a slow one."""
     for rid in rids:
         rule = _match("extend", "rid", rid)
+        if rule is not None and rule["do"] == "kill":
+            _fired("kill", rid=rid)
+            os.kill(os.getpid(), signal.SIGKILL)
         if rule is not None:
             _fired("slow", rid=rid, seconds=rule.get("seconds", 1))
             time.sleep(float(rule.get("seconds", 1)))

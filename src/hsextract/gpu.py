@@ -102,17 +102,35 @@ def _describe(busy: list[dict[str, Any]], max_used_mib: int) -> str:
     )
 
 
+def _missing(gpus: list[dict[str, Any]], required: list[str], nvml: Any) -> list[str]:
+    """The devices of ``required`` (CUDA_VISIBLE_DEVICES names: an index or a UUID) that
+    NVML does not see."""
+    uuids = set()
+    for g in gpus:
+        try:
+            uuids.add(_text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(g["index"]))))
+        except Exception:
+            pass
+    seen = {str(g["index"]) for g in gpus} | uuids
+    return sorted({d for d in required if d not in seen})
+
+
 def gate(
     max_used_mib: int,
     wait_s: float,
     *,
     require_nvml: bool,
+    required: list[str] | None = None,
     nvml: Any = None,
     poll_s: float = 2.0,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
 ) -> dict[str, Any]:
-    """Check every visible GPU; wait up to ``wait_s`` for them to become clean; report or raise."""
+    """Check every visible GPU; wait up to ``wait_s`` for them to become clean; report or raise.
+
+    ``required``: the devices the server's ranks take (``hsextract.dp.server_gpus``: dp x
+    tp of them); one NVML does not see fails at once, naming the count and the keys.
+    """
     module = nvml if nvml is not None else _load_nvml()
     initialised = False
     if module is not None:
@@ -140,6 +158,14 @@ def gate(
         deadline = start + max(0.0, wait_s)
         while True:
             gpus = snapshot(module)
+            missing = _missing(gpus, required or [], module)
+            if missing:
+                raise GpuGateError(
+                    f"GPU gate: the server takes {len(required or [])} GPU ranks (sglang."
+                    f"dp_size x tp_size) on devices {sorted(set(required or []))}, but NVML "
+                    f"sees {len(gpus)} GPU(s) here and not {missing}; lower sglang.dp_size "
+                    "or tp_size, or run where the GPUs are"
+                )
             busy = _busy(gpus, max_used_mib)
             if not busy:
                 return {
@@ -148,6 +174,7 @@ def gate(
                     "max_used_mib": max_used_mib,
                     "waited_s": round(clock() - start, 3),
                     "gpus": gpus,
+                    "server_gpus": required,
                     "message": f"{len(gpus)} GPU(s) clean (<= {max_used_mib} MiB, no processes)",
                 }
             if clock() >= deadline:

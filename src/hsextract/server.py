@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from hsextract.dp import dp_size, expected_workers, lost_workers
 from hsextract.errors import HsextractError
 
 OWNER_ENV = "HSEXTRACT_OWNER_PID"
@@ -371,7 +372,7 @@ def is_serving(
     before it counts as unhealthy: one slow answer from a busy 8-GPU server must not make
     a chunk job replace it under every other job.
     """
-    if not state or not pid_alive(state.get("pid")):
+    if not state or not pid_alive(state.get("pid")) or lost_workers(state):
         return False
     live = state.get("spec", {})
     if live.get("fingerprint") != spec.fingerprint:
@@ -430,6 +431,8 @@ def _why_replaced(state: dict, spec: ServerSpec) -> str:
     live = state.get("spec", {})
     if not pid_alive(state.get("pid")):
         return f"its process {state.get('pid')} is gone"
+    if lost := lost_workers(state):
+        return lost
     if live.get("fingerprint") != spec.fingerprint:
         return f"it serves fingerprint {live.get('fingerprint')}"
     old = live.get("settings", {})
@@ -534,6 +537,8 @@ def build_spec(cfg: dict, *, run_dir: Path, log_path: Path) -> ServerSpec:
         ]  # fmt: skip
         if not server["batch_invariant"]:
             argv.append("--no-batch-invariant")
+        if dp_size(cfg) > 1:
+            argv += ["--dp-size", str(dp_size(cfg))]
         if layers is not None:
             argv += ["--aux-layers", json.dumps(layers)]
     else:
@@ -555,7 +560,12 @@ def build_spec(cfg: dict, *, run_dir: Path, log_path: Path) -> ServerSpec:
         dump_dir=ddir,
         health_timeout_s=float(server["health_timeout_s"]),
         api_key_env=api_key_env,
-        extra={"port_auto": port_auto, "run_dir": str(run_dir), "max_port": max_port},
+        extra={
+            "port_auto": port_auto,
+            "run_dir": str(run_dir),
+            "max_port": max_port,
+            **({"workers": expected_workers(cfg)} if expected_workers(cfg) else {}),
+        },
         settings=launch_settings(cfg),
     )
 

@@ -135,6 +135,7 @@ def delete_stale_states(sm: Any) -> None:
 
 
 def preflight_budget(sm: Any) -> None:
+    from hsextract import dp
     from hsextract.budget import preflight
     from hsextract.client import model_geometry
     from hsextract.plan import chunk_states
@@ -155,8 +156,8 @@ def preflight_budget(sm: Any) -> None:
         dtype=cfg["model"]["dtype"],
         output_root=Path(cfg["output_root"]),
         dump_dir=dump_dir(cfg),
-        requests_in_flight=cfg["client"]["requests_in_flight"],
-        shm_budget_bytes=int(float(cfg["dump"]["shm_budget_gb"]) * 2**30),
+        requests_in_flight=dp.requests_in_flight(cfg),  # both per DP replica
+        shm_budget_bytes=dp.shm_budget_bytes(cfg),
         chunked_prefill_size=int(cfg["server"]["chunked_prefill_size"]),
     )
     report["chunks_to_extract"] = len(todo)
@@ -256,6 +257,7 @@ def _installed_sglang_root(cfg: dict) -> Path:
 
 
 def gpu_gate(sm: Any) -> None:
+    from hsextract.dp import server_gpus
     from hsextract.gpu import gate
 
     cfg = sm.config
@@ -272,7 +274,10 @@ def gpu_gate(sm: Any) -> None:
         write_json(Path(sm.output.state), report)
         return
     report = gate(
-        cfg["gpu"]["max_used_mib"], cfg["gpu"]["wait_s"], require_nvml=cfg["engine"] == "sglang"
+        cfg["gpu"]["max_used_mib"],
+        cfg["gpu"]["wait_s"],
+        require_nvml=cfg["engine"] == "sglang",
+        required=server_gpus(cfg) if cfg["engine"] == "sglang" else None,  # dp x tp
     )
     if cfg["engine"] == "reference":
         report["engine_device"] = cfg["server"]["device"]
@@ -286,10 +291,16 @@ def _gate_for(cfg: dict):
     here in seconds, not after a model load that would dump nothing."""
     if cfg["engine"] != "sglang":
         return None
+    from hsextract.dp import server_gpus
     from hsextract.gpu import gate
 
     def check() -> None:
-        gate(cfg["gpu"]["max_used_mib"], cfg["gpu"]["wait_s"], require_nvml=True)
+        gate(
+            cfg["gpu"]["max_used_mib"],
+            cfg["gpu"]["wait_s"],
+            require_nvml=True,
+            required=server_gpus(cfg),  # dp x tp; in an allocation, its GPUs
+        )
         if cfg.get("capture", "patch") == "patch":
             _verify_patch_here(cfg)
 

@@ -60,8 +60,6 @@ FORBIDDEN_FLAGS: dict[str, str] = {
     "--allow-auto-truncate": "silently truncates records; max_seq_len is enforced upstream",
     "--enable-dp-attention": "with DP attention rank 0 does not hold every request's rows",
     "--attn-dp-size": "with DP attention rank 0 does not hold every request's rows",
-    "--dp-size": "one server per node: data parallel replicas are not supported",
-    "--data-parallel-size": "one server per node: data parallel replicas are not supported",
     "--enable-attn-tp-input-scattered": "scattered attention input leaves rank 0 a slice",
     "--pp-size": "pipeline parallelism splits aux layers and final norm across ranks",
     "--enable-prefill-cp": "context parallel splits a request's tokens across ranks",
@@ -80,6 +78,10 @@ MANAGED_FLAGS: dict[str, str] = {
     "--tp-size": "sglang.tp_size",
     "--tensor-parallel-size": "sglang.tp_size",
     "--tp": "sglang.tp_size",
+    # Plain DP (each worker its own TP group, its TP rank 0 dumping its own requests) is
+    # what sglang.dp_size runs; DP attention stays refused above.
+    "--dp-size": "sglang.dp_size",
+    "--data-parallel-size": "sglang.dp_size",
     "--host": "server.host",
     "--port": "server.port",
     "--api-key": "server.api_key",
@@ -106,6 +108,7 @@ SGLANG_DEFAULTS: dict[str, Any] = {
     "python": "python",
     "version": None,
     "tp_size": 1,
+    "dp_size": 1,
     "mem_fraction_static": None,
     "context_length": None,
     "extra_args": [],
@@ -187,6 +190,9 @@ def validate_sglang_config(cfg: dict, rel: SglangVersion | None = None) -> None:
     tp = sg["tp_size"]
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ConfigError(f"sglang.tp_size must be an integer >= 1, got {tp!r}")
+    dp = sg["dp_size"]
+    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+        raise ConfigError(f"sglang.dp_size must be an integer >= 1, got {dp!r}")
     dtype = cfg["model"]["dtype"]
     if dtype not in SGLANG_DTYPES:
         raise ConfigError(f"model.dtype {dtype!r} is not an SGLang dtype {SGLANG_DTYPES}")
@@ -231,6 +237,15 @@ def validate_sglang_config(cfg: dict, rel: SglangVersion | None = None) -> None:
     clash = sorted(set(extra_env) & set(MANAGED_ENV))
     if clash:
         raise ConfigError(f"sglang.extra_env may not set {clash}: build_launch owns them")
+    step = _option_value(extra, "--gpu-id-step")
+    if step is not None and (not step.isdigit() or int(step) < 1):
+        # 0.5.14 server_args.py check_server_args, 0.5.23 validation_hook.py: an assert.
+        raise ConfigError(
+            f"sglang.extra_args --gpu-id-step {step} refused: SGLang asserts gpu_id_step >= 1. "
+            "To put several DP workers on one GPU list it once per worker in "
+            "CUDA_VISIBLE_DEVICES and set SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS=1 (sglang."
+            "extra_env; README, Data-parallel replicas)"
+        )
     if rel is not None:
         _check_deterministic_alignment(sg, int(server.get("chunked_prefill_size", 8192)), rel)
     if cfg.get("capture", "patch") == "hooks" and rel is not None and rel.hooks == "aux_capture":
@@ -317,6 +332,7 @@ def build_launch(
         "--model-path", str(cfg["model"]["path"]),
         "--dtype", cfg["model"]["dtype"],
         "--tp-size", str(sg["tp_size"]),
+        *(["--dp-size", str(sg["dp_size"])] if sg["dp_size"] > 1 else []),
         "--host", server.get("host", "127.0.0.1"),
         "--port", str(port),
         "--context-length", str(context_length(cfg, rel.context_headroom)),
