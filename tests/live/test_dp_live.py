@@ -36,9 +36,29 @@ ONE_GPU_DP2 = {
         **LIVE_ENV,
         "CUDA_VISIBLE_DEVICES": "0,0",
         "SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS": "1",
+        "HSEXTRACT_LIVE_ONE_GPU_DP": "1",  # one_gpu_dp/sitecustomize.py: CUDA rejects "0,0"
     },
     "client.sending_jobs": 2,
 }
+
+
+@pytest.fixture(autouse=True)
+def _one_gpu_shim(monkeypatch):
+    """The server's processes find one_gpu_dp/sitecustomize.py first on their path (the
+    launch appends the launching process's PYTHONPATH to its own)."""
+    shim = str(Path(__file__).parent / "one_gpu_dp")
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [shim, os.environ.get("PYTHONPATH")]))
+    )
+
+
+def _assert_no_sglang_left(deadline_s: float = 60.0) -> None:
+    """The workflow has returned, so its stop has been sent: wait for the processes to be
+    gone (the event), with a generous deadline, rather than a fixed pause."""
+    end = time.monotonic() + deadline_s
+    while _sglang_processes() and time.monotonic() < end:
+        time.sleep(0.2)
+    assert not _sglang_processes(), _sglang_processes()
 
 
 def _server_log(rd: Path) -> str:
@@ -91,8 +111,7 @@ def test_dp2_on_one_gpu_end_to_end(live, model: str, capture: str):  # noqa: F81
     _report(f"{name}: fidelity", _fidelity(live, getattr(live, model), chunks, name))
     assert sum(s["records"] for s in sidecars) == len(live.records)
     assert _verify(rd).returncode == 0
-    time.sleep(3)
-    assert not _sglang_processes(), _sglang_processes()
+    _assert_no_sglang_left()
 
 
 def test_dp_worker_killed_mid_chunk_on_live_sglang(live):  # noqa: F811 - fixture
@@ -146,6 +165,5 @@ def test_dp_worker_killed_mid_chunk_on_live_sglang(live):  # noqa: F811 - fixtur
     assert proc.returncode == 0, out[-6000:]
     assert "data-parallel worker processes are gone" in chunk_logs, chunk_logs[-4000:]
     assert _verify(rd).returncode == 0
-    time.sleep(3)
-    assert not _sglang_processes(), _sglang_processes()
+    _assert_no_sglang_left()
     out_dir()
