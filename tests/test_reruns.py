@@ -16,6 +16,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+import requests
 import yaml
 from fixtures_demo import (
     kill_processes_under,
@@ -28,6 +29,7 @@ from fixtures_demo import (
     wait_until_gone,
 )
 
+from hsextract import server
 from hsextract.chunks import ChunkReader, sha256_file
 from hsextract.config import RUN_MARKER, dump_dir, load_config
 from hsextract.records import id_hash
@@ -292,15 +294,18 @@ def test_stale_deletion_never_touches_a_live_foreign_or_older_run(tmp_path, monk
 def test_dump_space_stays_within_the_budget_with_two_jobs(demo_run, tmp_path, monkeypatch):
     """-j 2: the chunk jobs share dump.shm_budget_gb; sampled /dev/shm use never exceeds it.
 
-    Long records (400-512 tokens) and a budget of two of the longest requests: one job's
-    two requests in flight fit it, the two jobs' four would not, so they must share.
+    Long records (400-512 tokens) and a budget of three of the longest requests: one job's
+    two requests in flight and the other's first fit it, the two jobs' four would not, so
+    they must share.  Held on events, not on slow passes: the first job's first pass waits
+    until the other job's request is queued at the server, and the other job's first pass
+    waits until the test has seen both jobs' pieces in the dump dir.
     """
     import random
 
     from hsextract.budget import dump_bytes_for_request
 
     per = dump_bytes_for_request(512, 64, 3, "float32", 257)
-    budget = 2 * per
+    budget = 3 * per
     rng = random.Random(5)
     data = tmp_path / "data.jsonl"
     with open(data, "w") as f:
@@ -319,25 +324,52 @@ def test_dump_space_stays_within_the_budget_with_two_jobs(demo_run, tmp_path, mo
             "n_chunks": 2,
             "dump.shm_budget_gb": budget / 2**30,
             "client.requests_in_flight": 2,
+            # Passes filled across requests (SGLang's own scheduling): the second job's
+            # first pass then also carries the tail of a request of the first job.
+            "server.batch_invariant": False,
         },
     )
-    # Slow passes, so both chunk jobs are mid-extraction at the same time.
-    slow = {"extend": [{"rid": "chunk_", "do": "slow", "seconds": 0.1}]}
-    proc = start_snakemake(wd, "-j2", "extract_all", faults=slow)
+    first, second, log = tmp_path / "open-first", tmp_path / "open-second", tmp_path / "f.jsonl"
+    # The first pass of either job waits at `first`; the first pass of the other (each
+    # chunk's own rule; the first job's pass used its rule up without firing) at `second`.
+    hold = {"log": str(log), "extend": [
+        {"rid": "chunk_", "nth": [1], "do": "wait", "gate": str(first)},
+        {"rid": "chunk_00000", "nth": [1], "do": "wait", "gate": str(second)},
+        {"rid": "chunk_00001", "nth": [1], "do": "wait", "gate": str(second)},
+    ]}  # fmt: skip
+    proc = start_snakemake(wd, "-j2", "extract_all", faults=hold)
+
+    def held() -> list[dict]:
+        return [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+
     try:
         monkeypatch.chdir(wd)
         ddir = dump_dir(load_config("config.yaml"))
-        peak, both = 0, False
+        live = server.live_path(run_dir_of(wd) / "state")
+        peak, both, deadline = 0, None, time.monotonic() + 300
         while proc.poll() is None:
             sizes = _pieces(ddir)
             peak = max(peak, sum(sizes.values()))
-            both = both or len({k.split("-")[0] for k in sizes}) >= 2
+            waits = held()
+            assert time.monotonic() < deadline or first.exists(), "the jobs never met"
+            if len(waits) == 1 and not first.exists():
+                state = server.read_json(live)
+                info = requests.get(f"{state['url']}/get_server_info", timeout=10).json()
+                if info["waiting"] >= 1:  # the other job's request is queued: go on
+                    first.touch()
+            if len(waits) == 2 and not second.exists():
+                both = {k.split("-")[0] for k in _pieces(ddir)}
+                second.touch()
             time.sleep(0.002)
     finally:
+        first.touch()
+        second.touch()
         stop_snakemake(proc)
+        kill_processes_under(tmp_path)
     out = proc.stdout.read()
     assert proc.returncode == 0, out[-4000:]
-    assert both, "the two chunk jobs never had pieces in flight at once"
+    assert [w["fault"] for w in held()] == ["wait", "wait"], held()
+    assert both == {"chunk_00000", "chunk_00001"}, f"pieces in flight at the hold: {both}"
     assert per // 2 < peak <= budget, (peak, budget)
     for sc in (run_dir_of(wd) / "hidden").glob("chunk_*.json"):
         assert 0 < json.loads(sc.read_text())["shm_peak_bytes"] <= budget
