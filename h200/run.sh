@@ -1,15 +1,71 @@
 #!/usr/bin/env bash
 # On the H200 machine (device tool, carry .devcarry/h200): unpack SGLang 0.5.14, install the
 # workflow's wheels, restore the kernel cache, run the live tests (or a command), bring the
-# kernel cache back.
-#   bash h200/run.sh                      # pytest -m sglang_live tests/live
-#   bash h200/run.sh -k workflow          # extra pytest arguments
+# kernel cache back.  One device call runs one group of the live tests (each well under the
+# device's 600 s per command; groups in tests/live/conftest.py):
+#   bash h200/run.sh --group 1            # the workflow end to end   (2: fidelity, 3: faults)
+#   bash h200/run.sh --group 1 -k workflow   # extra pytest arguments after the group
 #   HSEXTRACT_RUN="python3 bench/sglang_live.py" bash h200/run.sh   # anything else
-# Output under $OUT: live.log (everything), report.txt (what the tests show), jitcache.tar.xz.
+# First it ends what an earlier call of this harness left running (a call killed at 600 s
+# leaves its detached workflow and SGLang server on the warm machine): every process that
+# carries $HSEXTRACT_LIVE_HARNESS, which this script exports to all it starts.
+# Output under $OUT: live.log (everything), report.txt (what the tests show), leftovers.txt
+# (what was ended, before and after the tests), jitcache.tar.xz.
 set -u
 D=.devcarry/h200
 : "${OUT:=/tmp/hsextract-live-out}"; mkdir -p "$OUT"
 T0=$(date +%s)
+GROUP=
+if [ "${1:-}" = "--group" ]; then GROUP=${2:?--group needs a number}; shift 2; fi
+if [ -z "$GROUP" ] && [ -z "${HSEXTRACT_RUN:-}" ]; then
+  echo "bash h200/run.sh --group N: every live test at once runs past the device's 600 s" \
+    "(groups: tests/live/conftest.py, h200/README.md)" >&2
+  exit 2
+fi
+MARK=HSEXTRACT_LIVE_HARNESS
+# End every process (but this script) whose environment carries $MARK: TERM, then KILL what
+# is left after 15 s; each is named in leftovers.txt and on the terminal.
+end_marked() {
+  # No pipe (a tee of this shell would carry the mark after the export): it writes both.
+  env -u "$MARK" python3 - "$1" "$MARK" "$OUT/leftovers.txt" <<'PY'
+import os, signal, sys, time
+when, key, report = sys.argv[1], sys.argv[2].encode() + b"=", sys.argv[3]
+found = {}
+for e in os.listdir("/proc"):
+    if not e.isdigit() or int(e) in (os.getpid(), os.getppid()):
+        continue
+    try:
+        with open(f"/proc/{e}/environ", "rb") as f:
+            if not any(v.startswith(key) for v in f.read().split(b"\0")):
+                continue
+        with open(f"/proc/{e}/cmdline", "rb") as f:
+            found[int(e)] = f.read().replace(b"\0", b" ").decode(errors="replace")[:160]
+    except OSError:
+        continue
+lines = [f"== {when}: {len(found)} process(es) started by a harness call, to end"]
+lines += [f"   {pid} {cmd}" for pid, cmd in sorted(found.items())]
+def kill(sig):
+    for pid in found:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+def alive():
+    return [p for p in found if os.path.exists(f"/proc/{p}")]
+kill(signal.SIGTERM)
+deadline = time.monotonic() + 15
+while alive() and time.monotonic() < deadline:
+    time.sleep(0.2)
+if alive():
+    lines.append(f"   SIGKILL to {alive()} (still running 15 s after SIGTERM)")
+    kill(signal.SIGKILL)
+print("\n".join(lines), flush=True)
+with open(report, "a") as f:
+    f.write("\n".join(lines) + "\n")
+PY
+}
+end_marked "before the tests"
+export "$MARK=$$"
 if [ ! -d /tmp/site/sglang ]; then xz -dc -T0 "$D/site.tar.xz" | tar -x -C /tmp; fi
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 "$D"/wheels/*.whl \
   2>&1 | grep -v "^WARNING" | tail -3
@@ -30,9 +86,11 @@ LIMIT=${HSEXTRACT_TIMEOUT:-540}
 if [ -n "${HSEXTRACT_RUN:-}" ]; then
   timeout "$LIMIT" bash -c "$HSEXTRACT_RUN" 2>&1 | tee "$OUT/live.log"; rc=$?
 else
-  timeout "$LIMIT" python3 -m pytest -p no:cacheprovider -m sglang_live -q -s -rA tests/live "$@" \
-    2>&1 | tee "$OUT/live.log"; rc=$?
+  HSEXTRACT_LIVE_GROUP=$GROUP timeout "$LIMIT" python3 -m pytest -p no:cacheprovider \
+    -m sglang_live -q -s -rA tests/live "$@" 2>&1 | tee "$OUT/live.log"; rc=$?
 fi
+# What the tests left (none, unless the limit cut them short): ended now, not by the next call.
+end_marked "after the tests"
 # Every workflow and server log the run left, for what the test output does not say.
 find /tmp/pytest-of-* /tmp/hsextract-bench-live -name "*.log" -size -20M 2>/dev/null |
   tar -cJf "$OUT/logs.tar.xz" -T - 2>/dev/null

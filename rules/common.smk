@@ -7,6 +7,7 @@ from pathlib import Path
 
 from snakemake.utils import validate
 
+from hsextract.budget import _start_time
 from hsextract.config import (
     check_semantics,
     coerce_to_schema,
@@ -19,6 +20,7 @@ from hsextract.dp import server_gpu_count
 from hsextract.server import (
     OWNER_ENV,
     OWNER_SCOPE_ENV,
+    OWNER_START_ENV,
     forget_finished_jobs,
     host_key,
     inherited_owner,
@@ -40,12 +42,15 @@ CHUNK_IDS = [f"{i:05d}" for i in range(config["n_chunks"])]
 MODEL_DIR = Path(config["model"]["path"])
 
 # Servers started by this workflow are owned by this process: the watchdog stops them
-# when it exits.  Jobs inherit the variable; a nested Snakemake keeps its parent's owner,
+# when it exits.  Jobs inherit the variables; a nested Snakemake keeps its parent's owner,
 # but not across hosts or SLURM jobs (server.host_key): there the Snakemake running the
-# job (for a group, the one running all its chunks) owns the node's server.
+# job (for a group, the one running all its chunks) owns the node's server.  The start
+# time pins the process itself: a job orphaned by a killed Snakemake refuses to start a
+# server (server.owner_pid), even once the pid is reused.
 MAIN = inherited_owner() is None
 if MAIN:
     os.environ[OWNER_ENV] = str(os.getpid())
+    os.environ[OWNER_START_ENV] = str(_start_time(os.getpid()))
     os.environ[OWNER_SCOPE_ENV] = host_key()
 
 

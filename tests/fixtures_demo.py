@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -126,16 +127,51 @@ def demo_copy(demo_run, tmp_path) -> dict:
     return {"workdir": dst, "run_dir": rd, "manifest": demo_run["manifest"]}
 
 
-def engine_processes() -> list[int]:
-    """PIDs of any hsextract reference-engine or watchdog process on this machine."""
-    pids = []
+def processes_under(root: Path) -> dict[int, str]:
+    """Every process but this one whose working directory is under ``root``, with its
+    command line: a workflow run there (``--directory``), its jobs, and the servers and
+    watchdogs they started (they inherit it).  Other test runs share the machine: a test
+    asserts on, and cleans up, only what runs under its own directory."""
+    root_s = str(Path(root).resolve())
+    found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
+            cwd = os.readlink(entry / "cwd")
             cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
-            continue
-        if "hsextract.engine" in cmd or "hsextract.watchdog" in cmd:
-            pids.append(int(entry.name))
-    return pids
+            continue  # gone, or not ours to read
+        if cwd == root_s or cwd.startswith(root_s + "/"):
+            found[int(entry.name)] = cmd
+    return found
+
+
+def engine_processes(root: Path) -> list[int]:
+    """PIDs of the hsextract reference engines and watchdogs started under ``root``."""
+    return [
+        pid
+        for pid, cmd in processes_under(root).items()
+        if "hsextract.engine" in cmd or "hsextract.watchdog" in cmd
+    ]
+
+
+def wait_until_gone(root: Path, timeout: float = 60) -> dict[int, str]:
+    """Poll until nothing runs under ``root`` (a watchdog needs a moment to act); what is
+    left at the deadline."""
+    deadline = time.monotonic() + timeout
+    left = processes_under(root)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = processes_under(root)
+    return left
+
+
+def kill_processes_under(root: Path) -> None:
+    """SIGKILL what still runs under ``root``, by pid: a test's ``finally``, so a failed
+    assert never leaves its server (or an orphaned job) running for the next test."""
+    for pid in processes_under(root):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass

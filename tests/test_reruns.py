@@ -16,16 +16,20 @@ from pathlib import Path
 
 import orjson
 import pytest
+import requests
 import yaml
 from fixtures_demo import (
+    kill_processes_under,
     make_workdir,
     planned_jobs,
     run_dir_of,
     run_snakemake,
     start_snakemake,
     stop_snakemake,
+    wait_until_gone,
 )
 
+from hsextract import server
 from hsextract.chunks import ChunkReader, sha256_file
 from hsextract.config import RUN_MARKER, dump_dir, load_config
 from hsextract.records import id_hash
@@ -195,23 +199,41 @@ def _pieces(d: Path) -> dict[str, int]:
     return out
 
 
-def test_stale_deletion_never_touches_a_live_foreign_or_older_run(tmp_path):
+def test_stale_deletion_never_touches_a_live_foreign_or_older_run(tmp_path, monkeypatch):
     """Two output roots with one fingerprint, one mid-extraction; a live second run in the
-    same root; a run dir an older hsextract wrote."""
+    same root; a run dir an older hsextract wrote.
+
+    A is held mid-chunk on an event: its server stops after chunk_00001's first pass until
+    the test creates the gate file, however long B's four Snakemake runs take."""
     small = {"demo.n_records": 16, "n_chunks": 2}
     a = make_workdir(tmp_path / "A", **small)
-    slow = {"extend": [{"rid": "chunk_00001", "nth": [1], "do": "slow", "seconds": 25}]}
-    proc = start_snakemake(a, "-j1", "extract_all", faults=slow)
+    gate, fault_log = tmp_path / "open-A", tmp_path / "a-faults.jsonl"
+    hold = {
+        "log": str(fault_log),
+        "extend": [{"rid": "chunk_00001", "nth": [1], "do": "wait", "gate": str(gate)}],
+    }
+    proc = start_snakemake(a, "-j1", "extract_all", faults=hold)
+    # B's server needs an owner the test controls (not pytest: a server outlived the test
+    # that way): this process ends when the test does, its pipe closed, and the watchdog
+    # then stops the server, even if the test is killed.
+    owner = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)  # fmt: skip
+    b = tmp_path / "B"
     try:
-        os.chdir(a)
+        monkeypatch.chdir(a)
         a_dump = dump_dir(load_config("config.yaml"))
-        deadline = time.monotonic() + 120
-        while not any(k.startswith("chunk_00001") for k in _pieces(a_dump)):
+        deadline = time.monotonic() + 300
+
+        def held() -> bool:
+            mid = any(k.startswith("chunk_00001") for k in _pieces(a_dump))
+            return mid and fault_log.exists()
+
+        while not held():
             assert proc.poll() is None and time.monotonic() < deadline, "A never got mid-chunk"
             time.sleep(0.05)
         in_flight = _pieces(a_dump)
 
-        b = make_workdir(tmp_path / "B", **small)  # same config: same fingerprint
+        make_workdir(b, **small)  # same config: same fingerprint
         brd = run_dir_of(b)
         assert brd.name == run_dir_of(a).name
         # B: a second run (other aux layers) with a live server, and an old-version run.
@@ -224,7 +246,7 @@ def test_stale_deletion_never_touches_a_live_foreign_or_older_run(tmp_path):
         started = subprocess.run(
             [sys.executable, "-m", "hsextract.cli", "server", "start", *other],
             cwd=b, capture_output=True, text=True, timeout=300,
-            env={**os.environ, "HSEXTRACT_OWNER_PID": str(os.getpid())},
+            env={**os.environ, "HSEXTRACT_OWNER_PID": str(owner.pid)},
         )  # fmt: skip
         assert started.returncode == 0, started.stderr
         old = b / "results" / "0123456789ab"
@@ -241,7 +263,7 @@ def test_stale_deletion_never_touches_a_live_foreign_or_older_run(tmp_path):
         assert report["removed"] == [], report["removed"]
         assert ord_.exists() and old.exists()
         assert _pieces(a_dump) == in_flight  # A's pieces, mid-extraction, all still there
-        assert proc.poll() is None, "A should still be in its slow pass"
+        assert proc.poll() is None, "A should still be held mid-chunk"
 
         # Once its server is gone and nothing holds it, the unfinished second run goes
         # (the old one still holds a finished chunk, so it stays).
@@ -254,25 +276,36 @@ def test_stale_deletion_never_touches_a_live_foreign_or_older_run(tmp_path):
             str((brd / "state" / "stale_deleted.json").relative_to(b)),
         )  # fmt: skip
         assert not ord_.exists() and old.exists()
+        gate.touch()  # A goes on from where it was held
         out, _ = proc.communicate(timeout=300)
     finally:
+        gate.touch()
         stop_snakemake(proc)
+        owner.stdin.close()
+        owner.wait()
+        left = wait_until_gone(tmp_path)  # B's server stops with its owner, A's with A
+        kill_processes_under(tmp_path)
+    assert not left, f"processes of this test left running: {left}"
     assert proc.returncode == 0, out[-4000:]
+    assert [json.loads(x)["fault"] for x in fault_log.read_text().splitlines()] == ["wait"]
     assert verify(run_dir_of(a)).returncode == 0
 
 
-def test_dump_space_stays_within_the_budget_with_two_jobs(demo_run, tmp_path):
+def test_dump_space_stays_within_the_budget_with_two_jobs(demo_run, tmp_path, monkeypatch):
     """-j 2: the chunk jobs share dump.shm_budget_gb; sampled /dev/shm use never exceeds it.
 
-    Long records (400-512 tokens) and a budget of two of the longest requests: one job's
-    two requests in flight fit it, the two jobs' four would not, so they must share.
+    Long records (400-512 tokens) and a budget of three of the longest requests: one job's
+    two requests in flight and the other's first fit it, the two jobs' four would not, so
+    they must share.  Held on events, not on slow passes: the first job's first pass waits
+    until the other job's request is queued at the server, and the other job's first pass
+    waits until the test has seen both jobs' pieces in the dump dir.
     """
     import random
 
     from hsextract.budget import dump_bytes_for_request
 
     per = dump_bytes_for_request(512, 64, 3, "float32", 257)
-    budget = 2 * per
+    budget = 3 * per
     rng = random.Random(5)
     data = tmp_path / "data.jsonl"
     with open(data, "w") as f:
@@ -291,25 +324,52 @@ def test_dump_space_stays_within_the_budget_with_two_jobs(demo_run, tmp_path):
             "n_chunks": 2,
             "dump.shm_budget_gb": budget / 2**30,
             "client.requests_in_flight": 2,
+            # Passes filled across requests (SGLang's own scheduling): the second job's
+            # first pass then also carries the tail of a request of the first job.
+            "server.batch_invariant": False,
         },
     )
-    # Slow passes, so both chunk jobs are mid-extraction at the same time.
-    slow = {"extend": [{"rid": "chunk_", "do": "slow", "seconds": 0.1}]}
-    proc = start_snakemake(wd, "-j2", "extract_all", faults=slow)
+    first, second, log = tmp_path / "open-first", tmp_path / "open-second", tmp_path / "f.jsonl"
+    # The first pass of either job waits at `first`; the first pass of the other (each
+    # chunk's own rule; the first job's pass used its rule up without firing) at `second`.
+    hold = {"log": str(log), "extend": [
+        {"rid": "chunk_", "nth": [1], "do": "wait", "gate": str(first)},
+        {"rid": "chunk_00000", "nth": [1], "do": "wait", "gate": str(second)},
+        {"rid": "chunk_00001", "nth": [1], "do": "wait", "gate": str(second)},
+    ]}  # fmt: skip
+    proc = start_snakemake(wd, "-j2", "extract_all", faults=hold)
+
+    def held() -> list[dict]:
+        return [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+
     try:
-        os.chdir(wd)
+        monkeypatch.chdir(wd)
         ddir = dump_dir(load_config("config.yaml"))
-        peak, both = 0, False
+        live = server.live_path(run_dir_of(wd) / "state")
+        peak, both, deadline = 0, None, time.monotonic() + 300
         while proc.poll() is None:
             sizes = _pieces(ddir)
             peak = max(peak, sum(sizes.values()))
-            both = both or len({k.split("-")[0] for k in sizes}) >= 2
+            waits = held()
+            assert time.monotonic() < deadline or first.exists(), "the jobs never met"
+            if len(waits) == 1 and not first.exists():
+                state = server.read_json(live)
+                info = requests.get(f"{state['url']}/get_server_info", timeout=10).json()
+                if info["waiting"] >= 1:  # the other job's request is queued: go on
+                    first.touch()
+            if len(waits) == 2 and not second.exists():
+                both = {k.split("-")[0] for k in _pieces(ddir)}
+                second.touch()
             time.sleep(0.002)
     finally:
+        first.touch()
+        second.touch()
         stop_snakemake(proc)
+        kill_processes_under(tmp_path)
     out = proc.stdout.read()
     assert proc.returncode == 0, out[-4000:]
-    assert both, "the two chunk jobs never had pieces in flight at once"
+    assert [w["fault"] for w in held()] == ["wait", "wait"], held()
+    assert both == {"chunk_00000", "chunk_00001"}, f"pieces in flight at the hold: {both}"
     assert per // 2 < peak <= budget, (peak, budget)
     for sc in (run_dir_of(wd) / "hidden").glob("chunk_*.json"):
         assert 0 < json.loads(sc.read_text())["shm_peak_bytes"] <= budget

@@ -103,6 +103,26 @@ def test_watchdog_stops_server_when_owner_dies(tmp_path):
     assert wait_dead(state["watchdog_pid"])
 
 
+def test_no_server_starts_once_its_owning_workflow_is_gone(tmp_path, monkeypatch):
+    """Issue 20, item 7: a chunk job orphaned by a SIGKILLed Snakemake relaunched the
+    server with init as its owner (the fallback to its parent), and it ran forever."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    monkeypatch.setenv(server.OWNER_ENV, str(gone.pid))
+    monkeypatch.delenv(server.OWNER_SCOPE_ENV, raising=False)
+    monkeypatch.delenv(server.OWNER_START_ENV, raising=False)
+    spec = health_spec(tmp_path)
+    with pytest.raises(ServerError, match=rf"the workflow that owns this run \(pid {gone.pid},"):
+        server.ensure(spec, tmp_path / "state")
+    assert not server.live_path(tmp_path / "state").exists()
+    assert not Path(spec.log_path).exists()  # nothing was started
+    # A live pid that is another process than the recorded one (reused): not the owner.
+    monkeypatch.setenv(server.OWNER_ENV, str(os.getpid()))
+    monkeypatch.setenv(server.OWNER_START_ENV, "1")
+    with pytest.raises(ServerError, match="is gone"):
+        server.owner_pid()
+
+
 def test_ensure_reuses_a_live_server_and_relaunches_a_dead_one(tmp_path, monkeypatch):
     monkeypatch.setenv(server.OWNER_ENV, str(os.getpid()))
     spec = health_spec(tmp_path)

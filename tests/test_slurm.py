@@ -241,15 +241,8 @@ def stamps(rd: Path) -> dict[str, tuple[str, int]]:
 
 
 def engines_of(workdir: Path) -> list[int]:
-    """engine_processes() started from this workdir (other tests may run servers now)."""
-    out = []
-    for pid in engine_processes():
-        try:
-            if Path(os.readlink(f"/proc/{pid}/cwd")).is_relative_to(workdir):
-                out.append(pid)
-        except OSError:
-            pass
-    return out
+    """Servers and watchdogs started from this workdir (other tests may run servers now)."""
+    return engine_processes(workdir)
 
 
 def assert_nothing_left(workdir: Path, rd: Path) -> None:

@@ -13,11 +13,15 @@ import pytest
 import torch
 from fixtures_demo import (
     engine_processes,
+    kill_processes_under,
     make_workdir,
     planned_jobs,
     run_dir_of,
     run_snakemake,
     snakemake_cmd,
+    start_snakemake,
+    stop_snakemake,
+    wait_until_gone,
 )
 
 from hsextract.chunks import ChunkReader, check_chunk, sha256_file
@@ -92,7 +96,7 @@ def test_extract_all_writes_contract_chunks_and_manifest(demo_run):
     assert stats["records_out"] == manifest["totals"]["records"] == 48
     assert stats["tokens_out"] == manifest["totals"]["tokens"]
     assert stats["truncated"] == 1  # the demo's one record of max_seq_len + 7
-    assert not engine_processes(), "a server outlived the workflow"
+    assert not engine_processes(demo_run["workdir"]), "a server outlived the workflow"
 
 
 def test_rerun_of_one_deleted_chunk_reruns_only_it(demo_copy):
@@ -111,28 +115,31 @@ def test_rerun_of_one_deleted_chunk_reruns_only_it(demo_copy):
         assert sha256_file(rd / path) == sha, f"{path} changed"
         if path != victim:
             assert (rd / path).stat().st_mtime_ns == mtime, f"{path} was rewritten"
-    assert not engine_processes()
+    assert not wait_until_gone(workdir), "a server outlived the workflow"
 
 
 def test_sigint_mid_chunk_leaves_nothing_and_rerun_matches(demo_run, tmp_path):
+    """Ctrl-C in the terminal (SIGINT to the whole process group) mid-chunk.  The other
+    ways a workflow dies (SIGKILL of Snakemake alone or of its group, SIGTERM) are in
+    tests/faults/test_faults_resources.py."""
     workdir = make_workdir(tmp_path / "w")
-    proc = subprocess.Popen(
-        snakemake_cmd(workdir, "-j1", "extract_all"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    rd = run_dir_of(workdir)
-    deadline = time.monotonic() + 300
-    # Wait until a chunk job is extracting (its temporary chunk file exists).
-    while time.monotonic() < deadline and proc.poll() is None:
-        if any((rd / "hidden").glob(".chunk_*.tmp")) if (rd / "hidden").exists() else False:
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "workflow finished before it could be interrupted"
-    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
-    proc.communicate(timeout=120)
-    assert proc.returncode != 0
-    time.sleep(1.5)  # the watchdog polls twice a second
-    assert not engine_processes(), "server or watchdog left running after Ctrl-C"
+    proc = start_snakemake(workdir, "-j1", "extract_all")
+    try:
+        rd = run_dir_of(workdir)
+        deadline = time.monotonic() + 300
+        # Wait until a chunk job is extracting (its temporary chunk file exists).
+        while not (rd / "hidden").is_dir() or not any((rd / "hidden").glob(".chunk_*.tmp")):
+            assert proc.poll() is None, "workflow finished before it could be interrupted"
+            assert time.monotonic() < deadline, "no chunk job started extracting"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
+        proc.communicate(timeout=120)
+        assert proc.returncode != 0
+        left = wait_until_gone(workdir)  # the watchdog polls twice a second
+        assert not left, f"left running after Ctrl-C: {left}"
+    finally:
+        stop_snakemake(proc)
+        kill_processes_under(workdir)
     for f in (rd / "hidden").glob("chunk_*.safetensors"):
         sidecar = f.with_suffix(".json")
         assert sidecar.exists(), f"{f} looks finished but has no sidecar"
@@ -142,7 +149,7 @@ def test_sigint_mid_chunk_leaves_nothing_and_rerun_matches(demo_run, tmp_path):
         c["path"]: c["sha256"] for c in json.loads((rd / "manifest.json").read_text())["chunks"]
     }
     assert shas == {c["path"]: c["sha256"] for c in demo_run["manifest"]["chunks"]}
-    assert not engine_processes()
+    assert not wait_until_gone(workdir)
 
 
 def test_reader_dataset_over_manifest(demo_run):

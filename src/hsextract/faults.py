@@ -26,7 +26,9 @@ Spec (every key optional)::
         {"chunk": "chunk_00001", "nth": [3], "do": "enospc"}
       ],
       "extend": [                    # after each extend pass holding a matching request
-        {"rid": "chunk_00001", "nth": [1], "do": "slow" | "kill", "seconds": 3}
+        {"rid": "chunk_00001", "nth": [1], "do": "slow" | "kill", "seconds": 3},
+        {"rid": "chunk_00001", "nth": [1], "do": "wait", "gate": "/tmp/x/go",
+         "timeout_s": 600}
       ]
     }
 
@@ -45,7 +47,12 @@ list, or ``"all"``, the default).  Actions:
 - ``slow``: the scheduler sleeps ``seconds`` after the pass, as a slow forward would, so a
   request outlives the client's timeout with passes still to run;
 - extend ``kill``: SIGKILL the process that ran the pass -- with ``--dp-size`` > 1 one DP
-  worker, mid-chunk, the others living on.
+  worker, mid-chunk, the others living on;
+- ``wait``: the scheduler stops after the pass until the file ``gate`` exists (the fault
+  is logged when the wait begins, so a test sees the server held mid-request and releases
+  it by creating the file).  A test holds a run on this event, never on a duration a slow
+  machine may outlast; ``timeout_s`` (default 600) only bounds a test that forgot to
+  release it, and is logged as ``wait_timeout``.
 """
 
 from __future__ import annotations
@@ -64,7 +71,7 @@ ENV = "HSEXTRACT_FAULTS"
 _GENERATE_ACTIONS = {"500", "hang", "kill"}
 _PIECE_ACTIONS = {"truncate", "bad_header", "drop", "flip_id"}
 _WRITE_ACTIONS = {"enospc"}
-_EXTEND_ACTIONS = {"slow", "kill"}
+_EXTEND_ACTIONS = {"slow", "kill", "wait"}
 
 
 class FaultSpecError(ValueError):
@@ -90,6 +97,8 @@ def load(raw: str | None) -> dict[str, Any] | None:
         for rule in spec.get(key, []):
             if rule.get("do") not in actions:
                 raise FaultSpecError(f"{ENV}: {key} rule {rule}: 'do' must be one of {actions}")
+            if rule["do"] == "wait" and not rule.get("gate"):
+                raise FaultSpecError(f"{ENV}: {key} rule {rule}: 'wait' needs a 'gate' file")
     once = spec.get("once")
     if once and os.path.exists(once):
         return None
@@ -157,16 +166,31 @@ def before_generate(rid: str) -> tuple[int, dict] | None:
 
 
 def after_extend(rids: list[str]) -> None:
-    """Called by the engine's scheduler after each extend pass: make it a slow one."""
+    """Called by the engine's scheduler after each extend pass: make it a slow one, or hold
+    it until the test opens the gate."""
     for rid in rids:
         rule = _match("extend", "rid", rid)
-        if rule is not None and rule["do"] == "kill":
+        if rule is None:
+            continue
+        if rule["do"] == "kill":
             _fired("kill", rid=rid)
             os.kill(os.getpid(), signal.SIGKILL)
-        if rule is not None:
+        if rule["do"] == "slow":
             _fired("slow", rid=rid, seconds=rule.get("seconds", 1))
             time.sleep(float(rule.get("seconds", 1)))
+        else:
+            _wait_for_gate(Path(rule["gate"]), float(rule.get("timeout_s", 600)), rid)
+        return
+
+
+def _wait_for_gate(gate: Path, timeout_s: float, rid: str) -> None:
+    _fired("wait", rid=rid, gate=str(gate))
+    deadline = time.monotonic() + timeout_s
+    while not gate.exists():
+        if time.monotonic() > deadline:
+            _fired("wait_timeout", rid=rid, gate=str(gate))
             return
+        time.sleep(0.05)
 
 
 def after_generate(rid: str, length: int, dump_dir: str | None, timeout_s: float = 60) -> None:

@@ -32,6 +32,9 @@ from hsextract.dp import dp_size, expected_workers, lost_workers
 from hsextract.errors import HsextractError
 
 OWNER_ENV = "HSEXTRACT_OWNER_PID"
+#: The owner's start time (clock ticks since boot, /proc/<pid>/stat): with the pid, it names
+#: the workflow process exactly, so a pid reused after the workflow died is not taken for it.
+OWNER_START_ENV = "HSEXTRACT_OWNER_START"
 #: Where that pid means something (see :func:`host_key`): a SLURM job's environment
 #: carries the submitting workflow's, a pid of another host or allocation.
 OWNER_SCOPE_ENV = "HSEXTRACT_OWNER_SCOPE"
@@ -139,13 +142,44 @@ def inherited_owner() -> int | None:
     if os.environ.get(OWNER_SCOPE_ENV, host_key()) != host_key():
         return None
     value = os.environ.get(OWNER_ENV)
-    return int(value) if value and pid_alive(value) else None
+    if not value or not owner_alive(value, os.environ.get(OWNER_START_ENV)):
+        return None
+    return int(value)
+
+
+def owner_alive(pid: int | str, start: str | None = None) -> bool:
+    """Whether the owner still runs: its pid alive, and the same process if ``start`` (its
+    start time) was recorded."""
+    from hsextract.budget import _start_time
+
+    return pid_alive(pid) and (start is None or _start_time(int(pid)) == str(start))
 
 
 def owner_pid() -> int:
-    """The workflow process that owns servers started now (set by the Snakefile)."""
-    owner = inherited_owner()
-    return owner if owner is not None else os.getppid()
+    """The process whose end stops the servers started now; refuses when there is none.
+
+    In a workflow that is the Snakemake process (rules/common.smk sets $HSEXTRACT_OWNER_PID
+    for its jobs).  A chunk job outlives a Snakemake killed alone (SIGKILL, OOM): it
+    must not relaunch the server then, since nothing would stop it -- a fallback to its
+    parent made init the owner (issue 20, item 7) and held the GPUs forever.  Outside a
+    workflow (``hsextract server start``) the caller's parent, the shell, owns it.
+    """
+    value = os.environ.get(OWNER_ENV)
+    if value and os.environ.get(OWNER_SCOPE_ENV, host_key()) == host_key():
+        if inherited_owner() is None:
+            raise ServerError(
+                f"the workflow that owns this run (pid {value}, ${OWNER_ENV}) is gone: not "
+                "starting a server nothing would stop. This job outlived its Snakemake "
+                "(killed?); run the workflow again (finished chunks are kept)"
+            )
+        return int(value)
+    parent = os.getppid()
+    if parent == 1:
+        raise ServerError(
+            "no process would own the server (this one's parent is init): start it from a "
+            f"shell or a workflow, or set ${OWNER_ENV} to the pid whose end should stop it"
+        )
+    return parent
 
 
 def health(url: str, timeout: float = 5.0, api_key: str | None = None) -> bool:
@@ -190,7 +224,17 @@ def log_tail(path: str | Path, lines: int = 30) -> str:
 
 
 def start(spec: ServerSpec, *, owner: int | None = None) -> dict:
-    """Start the server detached, start its watchdog, wait for health; return live state."""
+    """Start the server detached, start its watchdog, wait for health; return live state.
+
+    ``owner`` (default :func:`owner_pid`) is the process whose end stops it, through the
+    watchdog; none that runs now, no server.
+    """
+    from hsextract.budget import _start_time
+
+    owner = owner if owner is not None else owner_pid()
+    owner_start = _start_time(owner)
+    if owner_start is None or not pid_alive(owner):
+        raise ServerError(f"the server's owner (pid {owner}) is gone: not starting it")
     Path(spec.log_path).parent.mkdir(parents=True, exist_ok=True)
     prepare_dump_dir(Path(spec.dump_dir), owner=spec.extra.get("run_dir"))
     env = {**os.environ, **spec.env}
@@ -205,9 +249,8 @@ def start(spec: ServerSpec, *, owner: int | None = None) -> dict:
         proc = subprocess.Popen(
             argv, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
         )
-    owner = owner if owner is not None else owner_pid()
     watchdog = subprocess.Popen(
-        [sys.executable, "-m", "hsextract.watchdog", str(owner), str(proc.pid)],
+        [sys.executable, "-m", "hsextract.watchdog", str(owner), str(proc.pid), owner_start],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=open(spec.log_path, "ab"),  # noqa: SIM115 - inherited by the child
@@ -218,6 +261,7 @@ def start(spec: ServerSpec, *, owner: int | None = None) -> dict:
         "pgid": proc.pid,
         "watchdog_pid": watchdog.pid,
         "owner_pid": owner,
+        "owner_start": owner_start,
         "url": spec.url,
         "host": socket.gethostname(),
         "started_at": time.time(),

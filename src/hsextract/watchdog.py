@@ -10,14 +10,16 @@ from __future__ import annotations
 import sys
 import time
 
-from hsextract.server import _group_alive, pid_alive, stop_process_group
+from hsextract.server import _group_alive, owner_alive, stop_process_group
 
 
-def watch(owner: int, pgid: int, interval_s: float = 0.5) -> int:
+def watch(owner: int, pgid: int, owner_start: str | None = None, interval_s: float = 0.5) -> int:
+    """Until the server's group is gone: stop it once the owner is (its pid dead, or reused
+    by another process: ``owner_start`` is the owner's start time when the server started)."""
     while True:
         if not _group_alive(pgid):
             return 0
-        if not pid_alive(owner):
+        if not owner_alive(owner, owner_start):
             print(
                 f"hsextract watchdog: owner {owner} gone, stopping server group {pgid}",
                 file=sys.stderr,
@@ -29,4 +31,4 @@ def watch(owner: int, pgid: int, interval_s: float = 0.5) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(watch(int(sys.argv[1]), int(sys.argv[2])))
+    sys.exit(watch(int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:4]))

@@ -17,7 +17,7 @@ Speed: a scenario is ~2-4 Snakemake invocations of 5-15 s, mostly process start-
 in a small background pool (``HSEXTRACT_FAULT_JOBS``, default 2) as soon as the first one
 is needed; each pytest test waits for its own scenario and re-raises its failure.  The
 process checks look only at processes whose working directory is the scenario's own
-(other people's tests may run on the same machine).
+(other people's tests may run on the same machine): see ``fixtures_demo.processes_under``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import json
 import os
 import shutil
 import subprocess
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fixtures_demo import engine_processes, make_workdir, run_dir_of, snakemake_cmd
+from fixtures_demo import make_workdir, processes_under, run_dir_of, snakemake_cmd, wait_until_gone
 
 from hsextract.chunks import check_chunk, sha256_file
 
@@ -163,26 +162,14 @@ class FaultRun:
         assert res.returncode != 0, f"the faulted run succeeded:\n{res.output[-4000:]}"
         return res.output
 
-    def processes(self) -> list[int]:
-        """Reference-engine / watchdog processes started from this workdir."""
-        mine = []
-        for pid in engine_processes():
-            try:
-                cwd = os.readlink(f"/proc/{pid}/cwd")
-            except OSError:
-                continue
-            if cwd == str(self.workdir) or cwd.startswith(f"{self.workdir}/"):
-                mine.append(pid)
-        return mine
+    def processes(self) -> dict[int, str]:
+        """Whatever runs from this workdir: a workflow, an orphaned job, a server, a watchdog."""
+        return processes_under(self.workdir)
 
     def assert_no_processes_left(self, timeout: float = 30) -> None:
         """Nothing of ours runs on: polled, since the watchdog needs a moment to act."""
-        deadline = time.monotonic() + timeout
-        left = self.processes()
-        while left and time.monotonic() < deadline:
-            time.sleep(0.2)
-            left = self.processes()
-        assert not left, f"server or watchdog processes left behind: {left}"
+        left = wait_until_gone(self.workdir, timeout)
+        assert not left, f"processes left behind: {left}"
 
     def assert_chunks_sound(self, allow_tmp: bool = False) -> list[str]:
         """Every chunk file present is complete and correct; returns their names.

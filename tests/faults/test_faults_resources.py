@@ -9,6 +9,7 @@ import subprocess
 import time
 
 from faultkit import FaultRun, fault_test
+from fixtures_demo import kill_processes_under, wait_until_gone
 
 from hsextract.server import read_json
 
@@ -57,6 +58,61 @@ def test_workflow_sigkilled_mid_chunk_watchdog_stops_the_server(run: FaultRun):
     assert "removed dump pieces of an interrupted earlier attempt" in log, log
     leftovers = sorted(p.name for p in dump.iterdir()) if dump.exists() else []
     assert leftovers in ([], [".hsextract-run"]), f"dump pieces remain: {leftovers}"
+
+
+def _stopped_mid_chunk(run: FaultRun, sig: int) -> tuple[dict, str]:
+    """Hold chunk_00001 on the server (its first pass waits for a gate never opened), send
+    ``sig`` to the Snakemake process alone, and wait for everything under the workdir to
+    end.  Returns the server's live state at the signal and what Snakemake printed."""
+    gate = run.tmp / "gate"
+    spec = run.spec(extend=[{"rid": "chunk_00001", "nth": [1], "do": "wait", "gate": str(gate)}])
+    proc = run.popen("-j1", "extract_all", faults=spec)
+    try:
+        deadline = time.monotonic() + 300
+        while not any(e["fault"] == "wait" for e in run.fault_log()):
+            assert proc.poll() is None, proc.communicate()[0][-4000:]
+            assert time.monotonic() < deadline, "chunk_00001 never reached the server"
+            time.sleep(0.05)
+        server = read_json(next(run.run_dir.glob("state/server.*.live.json")))
+        assert server and server["owner_pid"] == proc.pid, server
+        os.kill(proc.pid, sig)
+        out = proc.communicate(timeout=120)[0]
+        # The job and the server are not in the signalled process: they end on their own
+        # (onerror, or the watchdog and the job's refusal to relaunch), or the test fails.
+        left = wait_until_gone(run.workdir, timeout=60)
+        assert not left, f"still running after Snakemake got signal {sig}: {left}"
+    finally:
+        gate.touch()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        kill_processes_under(run.workdir)
+    return server, out
+
+
+@fault_test
+def test_snakemake_alone_sigkilled_mid_chunk_no_server_outlives_it(run: FaultRun):
+    """Issue 20, item 7: the orphaned chunk job went on, relaunched the server with init
+    as its owner, and that server ran forever.  Now the watchdog stops the server and the
+    job refuses to start another one, naming why."""
+    server, _ = _stopped_mid_chunk(run, signal.SIGKILL)
+    log = run.log("server.log")
+    assert f"owner {server['owner_pid']} gone, stopping server group" in log, log[-3000:]
+    assert log.count(" start: ") == 2, log[-3000:]  # the baseline's and this run's: no relaunch
+    chunk_log = run.log("extract_chunk_00001.log")
+    assert f"the workflow that owns this run (pid {server['owner_pid']}" in chunk_log, chunk_log
+    assert run.assert_chunks_sound(allow_tmp=True) == ["chunk_00000"]
+    assert run.snakemake("--unlock").returncode == 0  # Snakemake's lock outlives a SIGKILL
+    run.rerun_matches()
+
+
+@fault_test
+def test_snakemake_sigtermed_mid_chunk_leaves_nothing_running(run: FaultRun):
+    """SIGTERM to Snakemake alone (a scheduler's or an admin's `kill`): no server, no job."""
+    _stopped_mid_chunk(run, signal.SIGTERM)
+    assert run.assert_chunks_sound(allow_tmp=True) == ["chunk_00000"]
+    run.snakemake("--unlock")  # whether or not Snakemake removed its lock on the way out
+    run.rerun_matches()
 
 
 @fault_test

@@ -7,6 +7,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -39,6 +41,27 @@ def test_a_malformed_spec_is_refused():
         faults.load("{nope")
     with pytest.raises(faults.FaultSpecError, match="'do' must be one of"):
         faults.load(json.dumps({"generate": [{"do": "explode"}]}))
+    with pytest.raises(faults.FaultSpecError, match="needs a 'gate' file"):
+        faults.load(json.dumps({"extend": [{"do": "wait"}]}))
+
+
+def test_wait_holds_the_pass_until_the_gate_file_exists(monkeypatch, tmp_path):
+    """The event a test holds a run on: logged when the hold begins, released by a file."""
+    log, gate = tmp_path / "log.jsonl", tmp_path / "go"
+    arm(monkeypatch, {"log": str(log), "extend": [{"rid": "c-1", "nth": [1], "do": "wait",
+                                                    "gate": str(gate)}]})  # fmt: skip
+    held = threading.Thread(target=faults.after_extend, args=(["c-1-0"],))
+    held.start()
+    deadline = time.monotonic() + 30
+    while not log.exists():
+        assert time.monotonic() < deadline, "the wait never began"
+        time.sleep(0.01)
+    assert held.is_alive(), "the pass was not held"
+    gate.touch()
+    held.join(timeout=30)
+    assert not held.is_alive(), "the open gate did not release the pass"
+    assert [json.loads(x)["fault"] for x in log.read_text().splitlines()] == ["wait"]
+    faults.after_extend(["c-1-0"])  # nth [1]: the second pass is not held
 
 
 def test_once_file_disarms_later_processes(tmp_path):

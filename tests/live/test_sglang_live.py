@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from fixtures_demo import planned_jobs
+from fixtures_demo import planned_jobs, processes_under
 from livekit import (
     build_tiny_dsv3,
     build_tiny_qwen3,
@@ -119,9 +119,23 @@ def _verify(rd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
-def _sglang_processes() -> list[str]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [ln for ln in out.splitlines() if "sglang.launch_server" in ln or "sglang::" in ln]
+def _sglang_processes(root: Path) -> list[str]:
+    """SGLang processes (the server, its scheduler workers) these tests started under
+    ``root``, with their command lines."""
+    return [
+        f"{pid} {cmd}"
+        for pid, cmd in processes_under(root).items()
+        if "sglang.launch_server" in cmd or "sglang::" in cmd
+    ]
+
+
+def _no_sglang_left(root: Path, timeout: float = 60) -> list[str]:
+    """Poll until no SGLang process of ours is left (the watchdog or onsuccess stops the
+    server, its workers exit after it); what is left at the deadline."""
+    deadline = time.monotonic() + timeout
+    while (left := _sglang_processes(root)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
 
 
 def test_the_workflow_end_to_end_on_a_live_sglang(live):
@@ -183,8 +197,8 @@ def test_the_workflow_end_to_end_on_a_live_sglang(live):
     assert "--cuda-graph-backend-prefill" in srv["command_check"]["options_checked"]
     assert manifest["totals"]["records"] == len(live.records)
     assert _verify(rd).returncode == 0, _verify(rd).stdout
-    time.sleep(3)
-    assert not _sglang_processes(), _sglang_processes()
+    left = _no_sglang_left(live.root)
+    assert not left, left
     assert gpu_used_mib() < 2000
     chunks = sorted((rd / "hidden").glob("chunk_*.safetensors"))
     cps = load_config(wd / "config.yaml")["server"]["chunked_prefill_size"]
@@ -389,8 +403,8 @@ def test_real_faults_a_killed_server_and_a_busy_gpu(live):
     assert proc.returncode == 0, out[-6000:]
     assert "replacing the server" in chunk_logs or server_log.count("==== ") >= 2
     assert _verify(rd).returncode == 0, _verify(rd).stdout
-    time.sleep(3)
-    assert not _sglang_processes()
+    left = _no_sglang_left(live.root)
+    assert not left, left
 
     # A process holding ~3 GiB of the GPU: the gate refuses and names it.
     holder = subprocess.Popen(
