@@ -117,14 +117,14 @@ def delete_stale_states(sm: Any) -> None:
     from hsextract.server import owner_pid
     from hsextract.stale import delete_stale
 
-    cfg = sm.config
+    cfg, settings = sm.config, sm.params.settings
     report = delete_stale(
         Path(cfg["output_root"]),
         run_dir(cfg),
         dump_root=dump_dir(cfg).parent,
-        keep_runs=sm.params.keep_runs,
-        dry_run=sm.params.dry_run,
-        delete_finished=sm.params.delete_finished,
+        keep_runs=settings["keep_runs"],
+        dry_run=settings["dry_run"],
+        delete_finished=settings["delete_finished"],
         report_out=Path(sm.output.report),
         owner_pid=owner_pid(),
     )
@@ -132,6 +132,7 @@ def delete_stale_states(sm: Any) -> None:
         log.info("removed %s (%s, %d bytes)", item["path"], item["kind"], item["bytes"])
     for item in report["kept"]:
         log.info("kept %s: %s", item["path"], item["why"])
+    write_settings(Path(sm.output.settings), settings)
 
 
 def preflight_budget(sm: Any) -> None:
