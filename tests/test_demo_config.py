@@ -110,10 +110,10 @@ def test_a_model_path_holding_someones_files_is_refused_and_left_whole(tmp_path)
     proc = subprocess.run(snakemake_cmd(wd, "-j1", "mymodels/config.json"),
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     out = proc.stdout + proc.stderr
+    assert sorted(os.listdir(mine)) == ["README", "llama"] and _tree(mine) == before
     assert proc.returncode != 0, out[-3000:]
     assert "model.path='mymodels' holds files the demo did not write (README, llama)" in out
     assert "point model.path at a new directory" in out
-    assert _tree(mine) == before and sorted(os.listdir(mine)) == ["README", "llama"]
 
 
 @pytest.fixture(scope="module")

@@ -52,12 +52,12 @@ def test_a_dump_dir_holding_files_is_refused_by_the_workflow_naming_it(tmp_path)
         snakemake_cmd(wd, "-j1", "extract_all"), capture_output=True, text=True, timeout=900
     )
     out = proc.stdout + proc.stderr
+    assert sorted(p.name for p in mine.iterdir()) == ["keepme", "notes.txt"]  # no marker
+    assert mine.stat().st_mode & 0o777 == 0o755  # not chmod'ed
+    assert _files(mine) == before  # nothing deleted or rewritten
     assert proc.returncode != 0, out[-3000:]
     assert "dump.dir scratch/mine is not empty and was not created by hsextract" in out
     assert "keepme, notes.txt" in out and "set dump.dir to a new or empty directory" in out
-    assert _files(mine) == before  # nothing deleted or rewritten, no marker added
-    assert sorted(p.name for p in mine.iterdir()) == ["keepme", "notes.txt"]
-    assert mine.stat().st_mode & 0o777 == 0o755  # not chmod'ed
     assert not (wd / "results").exists()  # refused before any stage ran
 
 

@@ -306,12 +306,7 @@ def _clear_dump(path: Path, *, keep_marker: bool) -> None:
     ``keep_marker`` (the current run still owns it) or someone's files are in it.  Sorted
     again here, not taken from the plan: the dir may have changed since."""
     files, dirs, foreign, _ = _sort_dump(path)
-    for f in files:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(f)  # a regular file, or a link swapped in since: the link goes
-    for d in dirs:
-        with contextlib.suppress(OSError):
-            os.rmdir(d)  # not empty: a piece written since, or someone's file
+    _unlink(files, dirs)
     if keep_marker or foreign:
         return
     for entry in _scan(path):
@@ -321,6 +316,25 @@ def _clear_dump(path: Path, *, keep_marker: bool) -> None:
     (path / RUN_MARKER).unlink(missing_ok=True)
     with contextlib.suppress(OSError):
         os.rmdir(path)  # not empty: a file written since; kept, found again next time
+
+
+def clear_requests(dump: Path) -> None:
+    """Only the request dirs' pieces of a dump dir, not its dot entries: a compute node's
+    cleanup of a cancelled allocation's leftovers (``steps._with_node_cleanup``)."""
+    files, dirs, _, _ = _sort_dump(dump)
+    _unlink(
+        [f for f in files if not Path(f).parent.name.startswith(".")],
+        [d for d in dirs if not Path(d).name.startswith(".")],
+    )
+
+
+def _unlink(files: list[str], dirs: list[str]) -> None:
+    for f in files:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f)  # a regular file, or a link swapped in since: the link goes
+    for d in dirs:
+        with contextlib.suppress(OSError):
+            os.rmdir(d)  # not empty: a piece written since, or someone's file
 
 
 # --------------------------------------------------------------------------- plan

@@ -348,7 +348,6 @@ def _with_node_cleanup(gate, dump: Path, state_dir: Path):
     another server of this run on this host is alive (a shared node, or several slurmd on
     one host): the pieces may be its own.
     """
-    import contextlib
     import socket
 
     from hsextract import server, stale
@@ -368,12 +367,9 @@ def _with_node_cleanup(gate, dump: Path, state_dir: Path):
         # Request dirs only: the dot entries are the marker (and its temp file while
         # another allocation on this host starts its server now, not yet live), the
         # ledger, which heals itself, and the tombstones.  A server that is not live has
-        # no client, so no request dir here is in use.
-        dev = dump.stat().st_dev
-        for entry in os.scandir(dump):
-            if not entry.name.startswith("."):
-                with contextlib.suppress(FileNotFoundError):
-                    stale._remove_tree(Path(entry.path), dev)
+        # no client, so no request dir here is in use.  Only what the capture protocol
+        # writes goes: a user's file in an adopted dump.dir stays.
+        stale.clear_requests(dump)
 
     return check
 
