@@ -120,10 +120,18 @@ MERGE_SETTINGS = {
 }
 SPLIT_SETTINGS = {"n_chunks": config["n_chunks"], "assignment": ASSIGNMENT}
 LAUNCH_SETTINGS = launch_settings(config)
+# A changed stale.* setting reruns delete_stale_states, so that stale.delete_finished: true
+# deletes what the plan printed at startup says it will (it was a param: under
+# rerun-triggers [mtime] it was printed and never applied).
+STALE_SETTINGS = dict(config["stale"])
 
 
 def settings_file(where, stage, values):
     return run_path(where, f"{stage}-{settings_key(values)}.json")
+
+
+def stale_settings_file():
+    return settings_file("state", "stale", STALE_SETTINGS)
 
 
 DEMO = config["demo"]
@@ -146,6 +154,7 @@ def settings_files():
         settings_file("merged", "settings", MERGE_SETTINGS),
         settings_file("chunks", "settings", SPLIT_SETTINGS),
         settings_file("state", "launch", LAUNCH_SETTINGS),
+        stale_settings_file(),
     ]
     if DEMO["enabled"]:
         files += [DEMO_DATA_SETTINGS_FILE, DEMO_MODEL_SETTINGS_FILE]
@@ -169,6 +178,28 @@ def show_stale_plan():
         mode = " (stale.dry_run: reported only)" if config["stale"]["dry_run"] else ""
         print(f"hsextract: stale states under {config['output_root']}{mode}:", file=sys.stderr)
         print("\n".join(lines), file=sys.stderr)
+        if any(line.startswith("  remove") for line in lines) and stale_deletion_done():
+            # Snakemake reruns it when its settings or the chunk index change, not because
+            # a run became deletable since (its server stopped, its lock was released).
+            print(
+                "hsextract: delete_stale_states already ran with these settings, so nothing "
+                "above is removed unless it reruns (a changed stale.* setting or chunk index "
+                "does that); to remove it now, add --forcerun delete_stale_states to this "
+                "command",
+                file=sys.stderr,
+            )
+
+
+def stale_deletion_done():
+    """Whether delete_stale_states' outputs for the current settings exist and are newer
+    than its input (Snakemake will not rerun it on its own)."""
+    files = [Path(run_path("state/stale_deleted.json")), Path(stale_settings_file())]
+    index = Path(run_path("chunks/index.json"))
+    try:
+        oldest = min(f.stat().st_mtime for f in files)
+        return not index.exists() or index.stat().st_mtime <= oldest
+    except FileNotFoundError:
+        return False
 
 
 if MAIN and workflow.is_main_process:

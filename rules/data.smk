@@ -58,19 +58,20 @@ rule chunk_index:
         "cp {input.split} {output.index} 2> {log}"
 
 
+# Its settings name an output (settings_file in common.smk): setting stale.delete_finished
+# or another stale.* key reruns it, as the plan printed at startup says.
 rule delete_stale_states:
     input:
         index=run_path("chunks/index.json"),
     output:
         report=run_path("state/stale_deleted.json"),
+        settings=stale_settings_file(),
     log:
         run_path("logs/delete_stale_states.log"),
     benchmark:
         run_path("benchmarks/delete_stale_states.tsv")
     params:
-        keep_runs=config["stale"]["keep_runs"],
-        dry_run=config["stale"]["dry_run"],
-        delete_finished=config["stale"]["delete_finished"],
+        settings=STALE_SETTINGS,
     conda:
         "../envs/hsextract.yaml"
     script:

@@ -353,11 +353,12 @@ def test_an_allocations_first_server_start_clears_a_cancelled_ones_pieces(tmp_pa
     gated = []
 
     def leftovers():
-        for d in (dump, dump / ".budget", dump / "chunk_00003-000001-ab"):
+        for d in (dump, dump / ".budget", dump / "chunk_00003-000001-0123abcd"):
             d.mkdir(parents=True, exist_ok=True)
         (dump / RUN_MARKER).write_text("{}")
         (dump / f".{RUN_MARKER}.9.tmp").write_text("{}")  # a server starting now, not live
-        (dump / "chunk_00003-000001-ab" / "piece.safetensors").write_bytes(b"x")
+        (dump / "chunk_00003-000001-0123abcd" / "000000000.safetensors").write_bytes(b"x")
+        (dump / "notes.txt").write_text("a user's file in an adopted dump.dir: it stays")
 
     def check():
         steps._with_node_cleanup(lambda: gated.append(1), dump, state)()
@@ -366,11 +367,11 @@ def test_an_allocations_first_server_start_clears_a_cancelled_ones_pieces(tmp_pa
     host = socket.gethostname()
     leftovers()
     server.write_json(state / f"server.{host}.job40.live.json", {"pid": 2**22 + 7})  # dead
-    assert check() == [f".{RUN_MARKER}.9.tmp", ".budget", RUN_MARKER]
+    assert check() == [f".{RUN_MARKER}.9.tmp", ".budget", RUN_MARKER, "notes.txt"]
     leftovers()
     server.write_json(state / f"server.{host}.job42.live.json", {"pid": os.getpid()})  # alive
-    assert "chunk_00003-000001-ab" in check()
+    assert "chunk_00003-000001-0123abcd" in check()
     (state / f"server.{host}.job42.live.json").unlink()
     server.write_json(server.live_path(state), {"pid": 2**22 + 7})  # our own: a relaunch
-    assert "chunk_00003-000001-ab" in check()
+    assert "chunk_00003-000001-0123abcd" in check()
     assert len(gated) == 3  # the GPU gate runs every time

@@ -126,8 +126,9 @@ def test_mount_point_root_is_refused(tmp_path: Path) -> None:
 def _dump(shm: Path, name: str, run: Path | None, size: int = 10) -> Path:
     """A dump dir whose marker names the run that owns it (as server.prepare_dump_dir)."""
     d = shm / name
-    (d / "rid-1").mkdir(parents=True)
-    (d / "rid-1" / "000000000.safetensors").write_bytes(b"p" * size)
+    rid = d / "chunk_00000-000001-0123abcd"  # the client's request ids (client.extract_dump)
+    rid.mkdir(parents=True)
+    (rid / "000000000.safetensors").write_bytes(b"p" * size)
     info = {} if run is None else {"kind": "dump", "run_dir": str(run.resolve()),
                                    "output_root": str(run.resolve().parent)}  # fmt: skip
     (d / RUN_MARKER).write_text(json.dumps(info))
@@ -265,3 +266,48 @@ def test_symlinked_marked_candidate_swapped_in_is_not_followed(tree, tmp_path: P
     tree["old1"].symlink_to(target)
     stale._remove_tree(tree["old1"], os.lstat(tree["root"]).st_dev)
     assert not tree["old1"].exists() and (target / "data.bin").exists()
+
+
+def _plant_run(root: Path, name: str, like: Path | None = None, mtime: int = 1_000) -> Path:
+    """An older run dir: a copy of ``like``'s finished chunks, or an unfinished one."""
+    import shutil
+
+    d = root / name
+    if like is not None:
+        shutil.copytree(like / "hidden", d / "hidden")
+    else:
+        (d / "merged").mkdir(parents=True)
+        (d / "merged" / "train.jsonl").write_bytes(b"{}\n" * 10)
+    (d / RUN_MARKER).write_text("{}")
+    os.utime(d / RUN_MARKER, (mtime, mtime))
+    return d
+
+
+@pytest.mark.workflow
+def test_setting_delete_finished_deletes_what_the_printed_plan_says(demo_copy) -> None:
+    """Issue 20, item 9: the setting was printed as applied ('remove ... (run)') but the
+    rule did not rerun under rerun-triggers [mtime], so nothing was deleted."""
+    import yaml
+    from fixtures_demo import run_snakemake
+
+    wd, rd = demo_copy["workdir"], demo_copy["run_dir"]
+    old = _plant_run(rd.parent, "0ld000000000", like=rd)
+    proc = run_snakemake(wd, "-n", "extract_all")
+    assert f"keep   {old}" in proc.stderr and "set stale.delete_finished: true" in proc.stderr
+    cfg = yaml.safe_load((wd / "config.yaml").read_text())
+    cfg["stale"]["delete_finished"] = True
+    (wd / "config.yaml").write_text(yaml.safe_dump(cfg))
+    proc = run_snakemake(wd, "-j1", "extract_all")
+    printed = [ln.split()[1] for ln in proc.stderr.splitlines() if ln.startswith("  remove ")]
+    assert printed == [str(old)], proc.stderr[-3000:]
+    assert not old.exists(), "the printed plan said remove; the run dir is still there"
+    report = json.loads((rd / "state" / "stale_deleted.json").read_text())
+    assert [i["path"] for i in report["removed"]] == printed and report["delete_finished"]
+    # A run that becomes deletable while the rule is up to date: the plan says so, and
+    # the command it prints removes it.
+    unfinished = _plant_run(rd.parent, "1ld111111111")
+    proc = run_snakemake(wd, "-n", "extract_all")
+    assert f"remove {unfinished}" in proc.stderr
+    assert "add --forcerun delete_stale_states to this command" in proc.stderr
+    run_snakemake(wd, "-j1", "extract_all", "--forcerun", "delete_stale_states")
+    assert not unfinished.exists() and rd.is_dir()

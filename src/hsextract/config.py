@@ -111,6 +111,7 @@ def check_semantics(cfg: dict) -> None:
     if cfg.get("aux_layers") is not None and len(set(cfg["aux_layers"])) != len(cfg["aux_layers"]):
         raise ConfigError(f"aux_layers has duplicates: {cfg['aux_layers']}")
     check_demo(cfg)
+    check_dump_dir(cfg)
 
 
 def demo_inputs(cfg: dict) -> str:
@@ -123,10 +124,12 @@ def check_demo(cfg: dict) -> None:
 
     ``demo.enabled`` extracts the shards it generates with the random-weight model it
     builds at ``model.path``.  Other ``inputs`` beside it would be ignored (a new user's
-    ``--config inputs=[...]`` extracted the demo's data without a word), and a real
-    model at ``model.path`` would be overwritten; both are refused, saying what to set.
+    ``--config inputs=[...]`` extracted the demo's data without a word), and what is at
+    ``model.path`` would be overwritten; both are refused, saying what to set.
     Without the demo, ``inputs`` is required.  ``inputs`` naming the demo's own shards is
-    accepted: configs written before this check had that value.
+    accepted: configs written before this check had that value.  ``model.path`` must be
+    new, empty or the demo's own (``demo.demo_model_refusal``): the demo never writes over
+    or removes files it did not create.
     """
     inputs = cfg.get("inputs") or []
     if not (cfg.get("demo") or {}).get("enabled"):
@@ -147,15 +150,90 @@ def check_demo(cfg: dict) -> None:
             "'demo={enabled: false}' 'model={path: /path/to/model, dtype: bfloat16}'. To "
             "run the demo, leave inputs unset"
         )
-    model = Path(cfg["model"]["path"])
-    if (model / "config.json").exists() and not any(model.glob("settings-*.json")):
-        raise ConfigError(
-            f"model.path={str(model)!r} holds a model the demo did not build, and "
-            "demo.enabled is true: the demo would overwrite its config.json and "
-            "model.safetensors with random weights. To extract with this model set "
-            "demo.enabled=false (and inputs); to run the demo, point model.path at a new "
-            "directory"
+    from hsextract.demo import demo_model_refusal
+
+    why = demo_model_refusal(Path(cfg["model"]["path"]))
+    if why:
+        raise ConfigError(why)
+
+
+#: Directories every user of a host shares: never a dump dir themselves (a child is fine).
+SHARED_DIRS = ("/dev/shm", "/tmp", "/var/tmp", "/run", "/dev")
+
+
+def unsafe_dir(path: Path, *, shared: bool = True, mount: bool = True) -> str | None:
+    """Why ``path`` may not be a directory hsextract empties or removes, or None.
+
+    Resolved first (``..``, symlinks): ``/``, ``$HOME`` or any directory above it, with
+    ``shared`` the host's shared directories (:data:`SHARED_DIRS`), with ``mount`` a mount
+    point (a filesystem root: /dev/shm itself, a RAM disk, a scratch volume).
+    """
+    resolved = Path(os.path.realpath(os.path.abspath(path)))
+    home = Path(os.path.realpath(os.path.expanduser("~")))
+    if resolved == Path(resolved.anchor):
+        return "it resolves to '/'"
+    if resolved == home or resolved in home.parents:
+        return f"it is $HOME ({home})" if resolved == home else f"it holds $HOME ({home})"
+    if shared and resolved in {Path(os.path.realpath(d)) for d in SHARED_DIRS}:
+        return f"{resolved} is shared by every user of this host"
+    if mount and resolved.is_dir() and os.path.ismount(resolved):
+        return f"{resolved} is a filesystem root (mount point)"
+    return None
+
+
+def marker_temp(name: str) -> bool:
+    """The temporary name ``server.write_json`` gives the marker while it writes it."""
+    return bool(re.fullmatch(re.escape(f".{RUN_MARKER}.") + r"\d+(\.\d+)?\.tmp", name))
+
+
+def dump_dir_refusal(path: Path) -> str | None:
+    """Why ``path`` may not be used as a dump dir, or None (absent, empty, or marked ours).
+
+    The dump dir is emptied by stale deletion and removed when the server stops, so it
+    must be hsextract's own: a new dir, an empty one (adopted: mode 0700, marker written),
+    or one that already carries the marker.  Anything else holds someone's files.
+    """
+    shown = str(path)
+    why = unsafe_dir(path)
+    if why:
+        return (
+            f"dump.dir {shown} is refused: {why}. hsextract empties and removes its dump dir; "
+            "set dump.dir to a new subdirectory (e.g. "
+            f"{os.path.join(os.path.realpath(path), 'hsextract-dump')}), or to null for "
+            "/dev/shm/hsextract-<user>-<uid>-<fingerprint>-<tag>"
         )
+    if path.is_symlink() or not path.is_dir():
+        return None  # absent (created as ours) or not a dir: prepare_dump_dir says which
+    marker = path / RUN_MARKER
+    if marker.is_file() and not marker.is_symlink():
+        return None
+    try:
+        names = sorted(e.name for e in os.scandir(path) if not marker_temp(e.name))
+    except PermissionError:
+        return None  # not ours: prepare_dump_dir names the owner
+    if not names:
+        return None
+    return (
+        f"dump.dir {shown} is not empty and was not created by hsextract (no {RUN_MARKER} "
+        f"marker): it holds {name_list(names)}. hsextract empties its dump dir, so it never "
+        "adopts one holding files it did not write: set dump.dir to a new or empty "
+        "directory (or null for the default under /dev/shm)"
+    )
+
+
+def name_list(names: list[str], most: int = 5) -> str:
+    """The first few names of a refused directory's contents, for its message."""
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
+
+
+def check_dump_dir(cfg: dict) -> None:
+    """A configured dump.dir that would hold someone's files is refused at planning."""
+    configured = (cfg.get("dump") or {}).get("dir")
+    if configured:
+        why = dump_dir_refusal(Path(configured))
+        if why:
+            raise ConfigError(why)
 
 
 def is_loopback(host: str) -> bool:

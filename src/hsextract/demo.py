@@ -7,16 +7,71 @@ so the capture and assembly code meet the same shapes of problem as production.
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import re
 import shutil
 import tempfile
 from pathlib import Path
 
 import orjson
 
+from hsextract.config import name_list
+from hsextract.errors import ConfigError
+
 #: The demo model's max_position_embeddings (see demo_model_config).
 DEMO_MAX_POSITIONS = 16384
+#: In model.path: the demo built the model there; lists the files it wrote (JSON).
+DEMO_MARKER = ".hsextract-demo-model"
+#: What demos before the marker wrote (save_pretrained, and the rule's settings file).
+_LEGACY_FILES = {"config.json", "generation_config.json", "model.safetensors"}
+_SETTINGS = re.compile(r"settings-[0-9a-f]{12}\.json")  # rules/common.smk, settings_key
+
+
+def _own_files(model_dir: Path) -> set[str] | None:
+    """The names the demo wrote in ``model_dir`` per its marker; None if unmarked."""
+    try:
+        data = json.loads((model_dir / DEMO_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    files = data.get("files") if isinstance(data, dict) else None
+    if not isinstance(files, list):
+        return None
+    return {str(f) for f in files if "/" not in str(f) and str(f) not in ("", ".", "..")}
+
+
+def demo_model_refusal(model_dir: Path) -> str | None:
+    """Why the demo may not write its model into ``model_dir``, or None.
+
+    The demo replaces only its own files: it writes into a new or empty directory, or one
+    it built before (its marker lists what it wrote, and only those are replaced; one
+    built before the marker holds only the names it wrote and a settings file).  Anything
+    else -- a real model, a README, a subdirectory in a directory the demo did not
+    create -- is someone's, and the demo refuses to run there.
+    """
+    model_dir = Path(model_dir)
+    if not os.path.lexists(model_dir):
+        return None
+    if model_dir.is_symlink() or not model_dir.is_dir():
+        problem = "is a symlink" if model_dir.is_symlink() else "is not a directory"
+    else:
+        if _own_files(model_dir) is not None:
+            return None  # the demo's: it replaces only the files its marker lists
+        names = sorted(os.listdir(model_dir))
+        legacy = any(_SETTINGS.fullmatch(n) for n in names)
+        known = (_LEGACY_FILES if legacy else set()) | {f"{DEMO_MARKER}.tmp"}
+        foreign = [n for n in names if n not in known and not _SETTINGS.fullmatch(n)]
+        if not foreign:
+            return None
+        problem = f"holds files the demo did not write ({name_list(foreign)})"
+    return (
+        f"model.path={str(model_dir)!r} {problem}, and demo.enabled is true: the demo writes "
+        "its random-weight model (config.json, model.safetensors) only into a new or empty "
+        "directory or one it built, never over someone's files. To extract with the model "
+        "there set demo.enabled=false (and inputs); to run the demo, point model.path at a "
+        "new directory"
+    )
 
 
 def demo_model_config(demo: dict):
@@ -52,23 +107,42 @@ def demo_model_config(demo: dict):
 
 
 def build_demo_model(out_dir: Path, demo: dict) -> None:
-    """Save a seeded random DeepSeek-V3 with ``save_pretrained``; atomic via a temp dir."""
+    """Save a seeded random DeepSeek-V3 with ``save_pretrained`` into ``out_dir``.
+
+    Refused where :func:`demo_model_refusal` says (checked again here: the directory may
+    have changed since the plan).  Each file is written to a temporary dir and renamed into
+    place, replacing only a file of the same name the demo wrote before; the marker lists
+    the union first, so an interrupted build is still recognised as the demo's.
+    """
     import torch
     from transformers import DeepseekV3ForCausalLM
 
     out_dir = Path(out_dir)
+    why = demo_model_refusal(out_dir)
+    if why:
+        raise ConfigError(why)
     torch.manual_seed(int(demo["seed"]))
     model = DeepseekV3ForCausalLM(demo_model_config(demo)).eval()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         model.save_pretrained(tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.rename(tmp, out_dir)
+        names = sorted(os.listdir(tmp))
+        before = _own_files(out_dir) or set()
+        _write_marker(out_dir, before | set(names))
+        for name in names:
+            os.replace(tmp / name, out_dir / name)
+        for gone in before - set(names):  # the demo's own files of an older build
+            (out_dir / gone).unlink(missing_ok=True)
+        _write_marker(out_dir, set(names))
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)  # our own mkdtemp
+
+
+def _write_marker(model_dir: Path, files: set[str]) -> None:
+    tmp = model_dir / f"{DEMO_MARKER}.tmp"
+    tmp.write_text(json.dumps({"files": sorted(files)}) + "\n")
+    os.replace(tmp, model_dir / DEMO_MARKER)
 
 
 def demo_lengths(n: int, max_seq_len: int, rng: random.Random) -> list[int]:

@@ -514,13 +514,16 @@ def stop_live(state_dir: Path) -> bool:
 
 
 def prepare_dump_dir(path: Path, owner: str | None = None) -> Path:
-    """Create the dump dir as ours (mode 0700) or accept an existing one only if it is ours.
+    """Create the dump dir as ours (mode 0700), or adopt an existing one only if it is ours.
 
     /dev/shm is world-writable: another user could pre-create our name as a symlink or a
-    dir they own and read, swap or plant pieces.  Refuse both.  The marker names the run
-    dir that owns it, so stale deletion never touches another output root's pieces.
+    dir they own and read, swap or plant pieces.  Refuse both.  A dir of ours is adopted
+    only when empty or already marked (``config.dump_dir_refusal``): it will be emptied
+    and removed, so a user's ``dump.dir: scratch/mine`` holding files, /dev/shm itself or
+    a mount point is refused before it is chmod'ed or written to.  The marker names the
+    run dir that owns it, so stale deletion never touches another output root's pieces.
     """
-    from hsextract.config import RUN_MARKER
+    from hsextract.config import RUN_MARKER, dump_dir_refusal
 
     path = Path(path)
     if path.is_symlink():
@@ -531,6 +534,9 @@ def prepare_dump_dir(path: Path, owner: str | None = None) -> Path:
         st = path.lstat()
         if not path.is_dir():
             raise ServerError(f"dump dir {path} exists and is not a directory") from None
+        why = dump_dir_refusal(path)  # before anything is changed in it
+        if why:
+            raise ServerError(why) from None
         if st.st_uid != os.getuid():
             raise ServerError(
                 f"dump dir {path} is owned by uid {st.st_uid}, not us ({os.getuid()}); "

@@ -9,7 +9,10 @@ What may go, by default:
   hsextract upgrade, must never silently cost a multi-TB extraction.  The seed's use
   (delete the old run before a new extraction) is that one setting;
 * a dump dir of this output root (its marker names the run dir that owns it) whose run
-  is removed, and the leftover pieces of this run's own dump dir when nothing is using it.
+  is removed or gone, and the leftover pieces of this run's own dump dir when nothing is
+  using it.  In a dump dir only what the capture protocol writes goes (pieces, their
+  temporary names, tombstones, the budget ledger, the sending turns, the marker: see
+  :func:`_sort_dump`); anything else in it is someone's file, kept and reported as kept.
 
 Never: anything not carrying the marker, not ours (skipped, not an error), reached through
 a symlink, outside the resolved root, on another filesystem, or another output root's dump
@@ -26,6 +29,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import socket
 import stat
 import time
@@ -34,7 +38,8 @@ from typing import Any
 
 import orjson
 
-from hsextract.config import RUN_MARKER
+from hsextract.budget import LEDGER_DIR, TURNS_DIR
+from hsextract.config import RUN_MARKER, marker_temp, unsafe_dir
 from hsextract.errors import HsextractError
 
 __all__ = ["RUN_MARKER", "StaleDeletionError", "delete_stale", "hold_run_lock", "preview"]
@@ -141,18 +146,11 @@ def _safe_root(root: Path, what: str, *, allow_mount: bool = False) -> Path:
     """
     if not str(root):
         raise StaleDeletionError(f"{what} is empty")
-    resolved = Path(os.path.realpath(os.path.abspath(root)))
-    home = Path(os.path.realpath(os.path.expanduser("~")))
-    if resolved == Path(resolved.anchor):
-        raise StaleDeletionError(f"refusing to clean {what}={root!s}: it resolves to '/'")
-    if resolved == home:
-        raise StaleDeletionError(f"refusing to clean {what}={root!s}: it is $HOME ({home})")
-    if not allow_mount and resolved.exists() and os.path.ismount(resolved):
-        raise StaleDeletionError(
-            f"refusing to clean {what}={root!s}: {resolved} is a filesystem root (mount "
-            "point); use a subdirectory as output_root / dump.dir"
-        )
-    return resolved
+    why = unsafe_dir(root, shared=False, mount=not allow_mount)
+    if why:
+        hint = "; use a subdirectory as output_root / dump.dir" if "mount" in why else ""
+        raise StaleDeletionError(f"refusing to clean {what}={root!s}: {why}{hint}")
+    return Path(os.path.realpath(os.path.abspath(root)))
 
 
 def _tree_bytes(path: Path) -> int:
@@ -186,8 +184,13 @@ def _candidates(root: Path) -> tuple[list[Path], list[str]]:
         except PermissionError as exc:
             skipped.append(f"{entry.path}: {exc.strerror}")
             continue
-        if stat.S_ISREG(st.st_mode):
-            found.append(Path(entry.path))
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        why = unsafe_dir(Path(entry.path))  # /dev/shm itself under a dump root of /dev
+        if why:
+            skipped.append(f"{entry.path}: {why}")
+            continue
+        found.append(Path(entry.path))
     return found, skipped
 
 
@@ -231,12 +234,107 @@ def _remove_tree(path: Path, dev: int) -> None:
     os.rmdir(path)
 
 
-def _clear_pieces(path: Path, dev: int) -> None:
-    """Empty a dump dir but keep it and its marker (the current run still owns it)."""
-    with os.scandir(path) as it:
-        entries = [Path(e.path) for e in it if e.name != RUN_MARKER]
-    for child in entries:
-        _remove_tree(child, dev)
+# What the capture protocol writes in a dump dir, by name (capture.py, client.py,
+# budget.py; tests/test_user_files.py checks these against the writers).  Spelled here:
+# capture imports torch, and the plan printed at every `snakemake -n` must not.
+#: ``<rid>/<start:09d>.safetensors`` (capture.piece_name) and its temporary name.
+_PIECE = re.compile(r"\d{9}\.safetensors|\.\d{9}\.\d+\.tmp")
+#: The client's request ids: ``<chunk>-<record:06d>-<8 hex>`` (client.extract_dump).
+_RID = re.compile(r"[^./\x00][^/\x00]*-[0-9a-f]{8}")
+ABANDONED_DIR = ".abandoned"  # capture.ABANDONED_DIR: one empty file per abandoned rid
+#: The dot dirs of a dump dir and the names inside them.
+_DOT_DIRS = {
+    ABANDONED_DIR: _RID,
+    LEDGER_DIR: re.compile(r"lock|\d+-(\d+|None)-\d+-\d+"),  # budget.SharedByteBudget
+    TURNS_DIR: re.compile(r"turn-\d+"),  # budget.SendingTurn
+}
+
+
+def _sort_dump(dump: Path) -> tuple[list[str], list[str], list[dict[str, Any]], int]:
+    """(files, dirs, foreign, bytes) of a dump dir, the marker aside.
+
+    ``files`` and ``dirs`` are what hsextract writes there (removable: files unlinked,
+    then dirs removed once empty); ``foreign`` is everything else, with the reason it is
+    not ours: a user's file in an adopted ``dump.dir`` is never deleted.  Only names the
+    protocol writes, of the type it writes them, on the dump dir's filesystem.
+    """
+    files: list[str] = []
+    dirs: list[str] = []
+    foreign: list[dict[str, Any]] = []
+    total = 0
+    dev = os.lstat(dump).st_dev
+
+    def keep(path: str, st: os.stat_result, why: str) -> None:
+        size = _tree_bytes(Path(path)) if stat.S_ISDIR(st.st_mode) else st.st_size
+        foreign.append({"path": path, "kind": "foreign", "bytes": size,
+                        "why": f"not written by hsextract ({why}); never removed"})  # fmt: skip
+
+    for entry in _scan(dump):
+        if entry.name == RUN_MARKER or marker_temp(entry.name):
+            continue
+        with contextlib.suppress(FileNotFoundError):  # gone since the scan: nothing to do
+            st = entry.stat(follow_symlinks=False)
+            names = _DOT_DIRS.get(entry.name) or (_PIECE if _RID.fullmatch(entry.name) else None)
+            if names is None:
+                keep(entry.path, st, "a name the capture protocol never writes")
+                continue
+            if not stat.S_ISDIR(st.st_mode) or st.st_dev != dev:
+                keep(entry.path, st, "not a directory on the dump dir's filesystem")
+                continue
+            for child in _scan(Path(entry.path)):
+                with contextlib.suppress(FileNotFoundError):
+                    cst = child.stat(follow_symlinks=False)
+                    if not names.fullmatch(child.name):
+                        keep(child.path, cst, "a name the capture protocol never writes")
+                    elif not stat.S_ISREG(cst.st_mode):
+                        keep(child.path, cst, "not a regular file")
+                    else:
+                        files.append(child.path)
+                        total += cst.st_size
+            dirs.append(entry.path)
+    return files, dirs, foreign, total
+
+
+def _scan(path: Path) -> list[os.DirEntry[str]]:
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError), os.scandir(path) as it:
+        return list(it)
+    return []
+
+
+def _clear_dump(path: Path, *, keep_marker: bool) -> None:
+    """Remove what :func:`_sort_dump` recognises; the dir and its marker too unless
+    ``keep_marker`` (the current run still owns it) or someone's files are in it.  Sorted
+    again here, not taken from the plan: the dir may have changed since."""
+    files, dirs, foreign, _ = _sort_dump(path)
+    _unlink(files, dirs)
+    if keep_marker or foreign:
+        return
+    for entry in _scan(path):
+        if marker_temp(entry.name):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+    (path / RUN_MARKER).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        os.rmdir(path)  # not empty: a file written since; kept, found again next time
+
+
+def clear_requests(dump: Path) -> None:
+    """Only the request dirs' pieces of a dump dir, not its dot entries: a compute node's
+    cleanup of a cancelled allocation's leftovers (``steps._with_node_cleanup``)."""
+    files, dirs, _, _ = _sort_dump(dump)
+    _unlink(
+        [f for f in files if not Path(f).parent.name.startswith(".")],
+        [d for d in dirs if not Path(d).name.startswith(".")],
+    )
+
+
+def _unlink(files: list[str], dirs: list[str]) -> None:
+    for f in files:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f)  # a regular file, or a link swapped in since: the link goes
+    for d in dirs:
+        with contextlib.suppress(OSError):
+            os.rmdir(d)  # not empty: a piece written since, or someone's file
 
 
 # --------------------------------------------------------------------------- plan
@@ -291,17 +389,20 @@ def _plan(
             if info.get("output_root") != str(root):
                 continue  # another output root's dump dir: not ours to touch
             run = info.get("run_dir", "")
-            item = {"path": str(p), "kind": "dump", "run_dir": run, "bytes": _tree_bytes(p)}
-            if run in removed_runs:
-                remove.append(item)
-            elif run == str(current.resolve()):
+            files, dirs, foreign, nbytes = _sort_dump(p)
+            kept += foreign
+            item = {"path": str(p), "kind": "dump", "run_dir": run, "bytes": nbytes}
+            if run == str(current.resolve()):
                 users = active_holders(current, exclude_pid=owner_pid)
-                leftovers = any(e.name != RUN_MARKER for e in os.scandir(p))
-                if users and leftovers:
+                if users and (files or dirs):
                     kept.append({**item, "why": "this run's, in use by " + "; ".join(users)})
-                elif leftovers:  # the marker stays: its bytes are not freed
-                    freed = item["bytes"] - os.lstat(p / RUN_MARKER).st_size
-                    remove.append({**item, "kind": "dump_pieces", "bytes": freed})
+                elif files or dirs:  # the marker stays: its bytes are not freed
+                    remove.append({**item, "kind": "dump_pieces"})
+            elif run in removed_runs or not Path(run).is_dir():
+                if not foreign:  # the dir and its marker go too
+                    remove.append({**item, "bytes": nbytes + os.lstat(p / RUN_MARKER).st_size})
+                elif files or dirs:  # someone's files in it: they, the dir, the marker stay
+                    remove.append({**item, "kind": "dump_pieces"})
             else:
                 kept.append({**item, "why": f"its run {run} is kept"})
     return remove, kept, skipped
@@ -378,11 +479,10 @@ def delete_stale(
             path = Path(item["path"])
             if item["kind"] == "run" and active_holders(path):
                 continue  # it came into use since the plan: leave it
-            dev = os.lstat(root if item["kind"] == "run" else droot).st_dev  # type: ignore[arg-type]
-            if item["kind"] == "dump_pieces":
-                _clear_pieces(path, dev)
+            if item["kind"] == "run":
+                _remove_tree(path, os.lstat(root).st_dev)
             else:
-                _remove_tree(path, dev)
+                _clear_dump(path, keep_marker=item["kind"] == "dump_pieces")
             report["removed"].append(item)
             report["bytes_freed"] += item["bytes"]
     report["status"] = "dry_run" if dry_run else "done"

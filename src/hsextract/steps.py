@@ -117,14 +117,14 @@ def delete_stale_states(sm: Any) -> None:
     from hsextract.server import owner_pid
     from hsextract.stale import delete_stale
 
-    cfg = sm.config
+    cfg, settings = sm.config, sm.params.settings
     report = delete_stale(
         Path(cfg["output_root"]),
         run_dir(cfg),
         dump_root=dump_dir(cfg).parent,
-        keep_runs=sm.params.keep_runs,
-        dry_run=sm.params.dry_run,
-        delete_finished=sm.params.delete_finished,
+        keep_runs=settings["keep_runs"],
+        dry_run=settings["dry_run"],
+        delete_finished=settings["delete_finished"],
         report_out=Path(sm.output.report),
         owner_pid=owner_pid(),
     )
@@ -132,6 +132,7 @@ def delete_stale_states(sm: Any) -> None:
         log.info("removed %s (%s, %d bytes)", item["path"], item["kind"], item["bytes"])
     for item in report["kept"]:
         log.info("kept %s: %s", item["path"], item["why"])
+    write_settings(Path(sm.output.settings), settings)
 
 
 def preflight_budget(sm: Any) -> None:
@@ -358,7 +359,6 @@ def _with_node_cleanup(gate, dump: Path, state_dir: Path):
     another server of this run on this host is alive (a shared node, or several slurmd on
     one host): the pieces may be its own.
     """
-    import contextlib
     import socket
 
     from hsextract import server, stale
@@ -378,12 +378,9 @@ def _with_node_cleanup(gate, dump: Path, state_dir: Path):
         # Request dirs only: the dot entries are the marker (and its temp file while
         # another allocation on this host starts its server now, not yet live), the
         # ledger, which heals itself, and the tombstones.  A server that is not live has
-        # no client, so no request dir here is in use.
-        dev = dump.stat().st_dev
-        for entry in os.scandir(dump):
-            if not entry.name.startswith("."):
-                with contextlib.suppress(FileNotFoundError):
-                    stale._remove_tree(Path(entry.path), dev)
+        # no client, so no request dir here is in use.  Only what the capture protocol
+        # writes goes: a user's file in an adopted dump.dir stays.
+        stale.clear_requests(dump)
 
     return check
 
