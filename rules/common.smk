@@ -23,7 +23,7 @@ from hsextract.server import (
     remove_dump_dir_if_empty,
     stop_live,
 )
-from hsextract.records import ASSIGNMENT, input_identity, resolve_inputs
+from hsextract.records import ASSIGNMENT, identity_as_made, input_identity, resolve_inputs
 from hsextract.stale import hold_run_lock, preview
 
 coerce_to_schema(config)  # --config aux_layers=[1,3,5] arrives as strings
@@ -94,33 +94,6 @@ def settings_key(values):
     return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-# What each stage's outputs depend on beyond its input files, named in one of its outputs
-# (and asked for by extract_all): a changed setting is a missing output, so the stage
-# reruns -- from file names alone, with or without Snakemake's metadata (.snakemake/,
-# which the params trigger needs and which a copied run dir, or one whose .snakemake was
-# removed to clear a lock, does not have).
-MERGE_INPUTS = input_shards()
-MERGE_SETTINGS = {
-    "max_seq_len": config["max_seq_len"],
-    "overlength": config["merge"]["overlength"],
-    "seed": config["seed"],
-    # Your shards by path, size and mtime_ns (one stat each, every invocation): a shard
-    # changed and then given an older mtime (cp -p, rsync -a, tar x), which Snakemake's
-    # newer-than trigger never sees, is a new name, so the merge reruns.  The demo's
-    # shards do not exist yet when a first run names this file; they are made from
-    # DEMO_DATA_SETTINGS and rerun the merge by their mtime.
-    "inputs": [os.path.normpath(p) for p in MERGE_INPUTS]
-    if config["demo"]["enabled"]
-    else input_identity(MERGE_INPUTS),
-}
-SPLIT_SETTINGS = {"n_chunks": config["n_chunks"], "assignment": ASSIGNMENT}
-LAUNCH_SETTINGS = launch_settings(config)
-
-
-def settings_file(where, stage, values):
-    return run_path(where, f"{stage}-{settings_key(values)}.json")
-
-
 DEMO = config["demo"]
 DEMO_DATA_SETTINGS = {
     "demo": {k: DEMO[k] for k in ("seed", "n_records", "n_shards", "vocab_size")},
@@ -133,6 +106,38 @@ DEMO_DATA_SETTINGS_FILE = (
     f"{config['output_root']}/demo/data/settings-{settings_key(DEMO_DATA_SETTINGS)}.json"
 )
 DEMO_MODEL_SETTINGS_FILE = str(MODEL_DIR / f"settings-{settings_key(DEMO_MODEL_SETTINGS)}.json")
+
+
+def demo_shards_made():
+    """The demo's shards as demo_data made them (its settings file), or None before."""
+    path = Path(DEMO_DATA_SETTINGS_FILE)
+    return json.loads(path.read_text()).get("shards") if path.exists() else None
+
+
+# What each stage's outputs depend on beyond its input files, named in one of its outputs
+# (and asked for by extract_all): a changed setting is a missing output, so the stage
+# reruns -- from file names alone, with or without Snakemake's metadata (.snakemake/,
+# which the params trigger needs and which a copied run dir, or one whose .snakemake was
+# removed to clear a lock, does not have).
+MERGE_INPUTS = input_shards()
+MERGE_SETTINGS = {
+    "max_seq_len": config["max_seq_len"],
+    "overlength": config["merge"]["overlength"],
+    "seed": config["seed"],
+    # Each shard by path, size and mtime_ns (one stat each, every invocation): a shard
+    # changed and then given an older mtime (cp -p, rsync -a, tar x), which Snakemake's
+    # newer-than trigger never sees, is a new name, so the merge reruns.  The demo's
+    # shards are compared with what demo_data recorded making them (records.identity_as_made).
+    "inputs": identity_as_made(MERGE_INPUTS, demo_shards_made())
+    if DEMO["enabled"]
+    else input_identity(MERGE_INPUTS),
+}
+SPLIT_SETTINGS = {"n_chunks": config["n_chunks"], "assignment": ASSIGNMENT}
+LAUNCH_SETTINGS = launch_settings(config)
+
+
+def settings_file(where, stage, values):
+    return run_path(where, f"{stage}-{settings_key(values)}.json")
 
 
 def settings_files():

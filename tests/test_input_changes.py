@@ -9,6 +9,7 @@ workflow as in the library; a merge that fails on rejects names a file that stil
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ from fixtures_demo import REPO, make_workdir, run_dir_of, run_snakemake
 
 from hsextract.chunks import sha256_file
 from hsextract.demo import build_demo_data, build_demo_model
-from hsextract.records import FAILED_REJECTS, id_hash
+from hsextract.records import FAILED_REJECTS, id_hash, identity_as_made, input_identity
 
 pytestmark = pytest.mark.workflow
 
@@ -73,6 +74,20 @@ def stamps(rd: Path) -> dict[str, tuple[str, int]]:
     }
 
 
+def change_one_token_keep_size(shard: Path, line: int) -> dict:
+    """The issue's edit: one token of one record, same byte count; then an older mtime."""
+    lines = shard.read_bytes().splitlines(keepends=True)
+    rec = orjson.loads(lines[line])
+    tok = rec["input_ids"][0]
+    rec["input_ids"][0] = tok + 1 if tok % 10 != 9 else tok - 1  # same digit count
+    size = shard.stat().st_size
+    lines[line] = orjson.dumps(rec) + b"\n"
+    shard.write_bytes(b"".join(lines))
+    subprocess.run(["touch", "-d", "2024-01-01", str(shard)], check=True)
+    assert shard.stat().st_size == size  # only the mtime (backwards) and the bytes tell
+    return rec
+
+
 def test_a_changed_shard_with_an_older_mtime_reextracts_its_chunk(tmp_path, model):
     """The issue's repro: one token changed (same size), then `touch -d 2024-01-01`."""
     wd = own_workdir(tmp_path / "w", model, ["data/*.jsonl"])
@@ -81,17 +96,7 @@ def test_a_changed_shard_with_an_older_mtime_reextracts_its_chunk(tmp_path, mode
     rd = run_dir_of(wd)
     before = stamps(rd)
 
-    shard = wd / "data" / "shard_01.jsonl"
-    lines = shard.read_bytes().splitlines(keepends=True)
-    rec = orjson.loads(lines[2])
-    old_tok = rec["input_ids"][0]
-    new_tok = old_tok + 1 if old_tok % 10 != 9 else old_tok - 1  # same digit count
-    rec["input_ids"][0] = new_tok
-    lines[2] = orjson.dumps(rec) + b"\n"
-    size = shard.stat().st_size
-    shard.write_bytes(b"".join(lines))
-    subprocess.run(["touch", "-d", "2024-01-01", str(shard)], check=True)
-    assert shard.stat().st_size == size  # only the mtime (backwards) and the bytes tell
+    rec = change_one_token_keep_size(wd / "data" / "shard_01.jsonl", 2)
 
     plan = hsextract(wd, "plan")
     assert plan.returncode == 0, plan.stderr
@@ -109,13 +114,41 @@ def test_a_changed_shard_with_an_older_mtime_reextracts_its_chunk(tmp_path, mode
         o["id"]: o["input_ids"]
         for o in map(orjson.loads, (rd / "merged" / "train.jsonl").read_bytes().splitlines())
     }
-    assert train[rec["id"]][0] == new_tok
+    assert train[rec["id"]][0] == rec["input_ids"][0]  # the new token
     ver = hsextract(wd, "verify", str(rd / "manifest.json"))
     assert ver.returncode == 0, ver.stdout
     plan = hsextract(wd, "plan")
     assert f"0 of {N_CHUNKS} chunk(s) to extract" in plan.stdout
     assert "inputs changed" not in plan.stdout and "shard_01" not in plan.stdout
     assert "Nothing to be done" in run_snakemake(wd, "-n", "extract_all").stdout
+
+
+def test_the_embedded_default_too(demo_copy):
+    """The same on the demo's own shards, compared with what demo_data recorded."""
+    wd, rd = demo_copy["workdir"], demo_copy["run_dir"]
+    before = stamps(rd)
+    rec = change_one_token_keep_size(wd / "results" / "demo" / "data" / "shard_01.jsonl", 3)
+    run_snakemake(wd, "-j1", "extract_all")
+    after = stamps(rd)
+    assert [c for c in before if before[c] != after[c]] == [
+        f"chunk_{id_hash(rec['id']) % N_CHUNKS:05d}.safetensors"
+    ]
+    train = [orjson.loads(x) for x in (rd / "merged" / "train.jsonl").read_bytes().splitlines()]
+    assert next(o for o in train if o["id"] == rec["id"])["input_ids"][0] == rec["input_ids"][0]
+    assert "Nothing to be done" in run_snakemake(wd, "-n", "extract_all").stdout
+
+
+def test_identity_as_made(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("x\n")
+    b.write_text("y\n")
+    assert identity_as_made([a, b], None) == [str(a), str(b)]  # not made by us yet
+    made = input_identity([a, b])
+    assert identity_as_made([a, b], made) == [str(a), str(b)]  # as made: the same name
+    a.write_text("z\n")
+    os.utime(a, ns=(made[0]["mtime_ns"] - 10**9,) * 2)
+    (now,) = input_identity([a])
+    assert identity_as_made([a, b], made) == [now, str(b)]
 
 
 def test_double_star_globs_recurse_in_the_workflow(tmp_path, model):

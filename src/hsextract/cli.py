@@ -145,10 +145,13 @@ def _plan(args: argparse.Namespace) -> int:
     if changed:
         # Which chunks a changed shard touches is known only once the merge and split
         # have rerun: say so instead of calling the old split's chunks current.
-        print(f"inputs changed since the merge ({len(changed)}): the next run re-merges")
+        print(f"inputs changed since the merge ({len(changed)}):")
         for line in changed:
             print(f"  {line}")
-        print(f"to see the chunks they change: `snakemake -j1 {index}`, then this again")
+        print(
+            "the next run re-merges; to see the chunks they change: "
+            f"`snakemake -j1 {index}`, then this again"
+        )
     else:
         print(
             "(from the split as it is now; if settings changed since, run "

@@ -272,7 +272,7 @@ def _input_problems(root: Path, data: dict) -> list[str]:
         changed = [str(exc)]
     return [
         f"input {line}: the chunks are of what the merge read; rerun `snakemake -j1 "
-        "extract_all` (the merge reruns, chunks whose records changed re-extract)"
+        "extract_all --forcerun merge_and_shuffle` (chunks whose records changed re-extract)"
         for line in changed
     ]
 

@@ -51,18 +51,18 @@ def check_data_matches_config(cfg: dict, index_path: Path, stats_path: Path) -> 
     if diff:
         raise PlanError(
             f"{stats_path} was merged with other settings ({'; '.join(diff)}); run "
-            "`snakemake -j1 --forcerun merge_and_shuffle extract_all`"
+            "`snakemake -j1 extract_all --forcerun merge_and_shuffle`"
         )
     changed = changed_inputs(cfg, stats)
     if changed:
         raise PlanError(
             f"the inputs changed since {stats_path} was merged ({'; '.join(changed)}); run "
-            "`snakemake -j1 --forcerun merge_and_shuffle extract_all`"
+            "`snakemake -j1 extract_all --forcerun merge_and_shuffle`"
         )
     if index.get("n_chunks") != cfg["n_chunks"]:
         raise PlanError(
             f"{index_path} splits into {index.get('n_chunks')} chunks, n_chunks is "
-            f"{cfg['n_chunks']}; run `snakemake -j1 --forcerun split_chunks extract_all`"
+            f"{cfg['n_chunks']}; run `snakemake -j1 extract_all --forcerun split_chunks`"
         )
 
 

@@ -666,6 +666,27 @@ def input_identity(files: Sequence[str | os.PathLike[str]]) -> list[dict[str, An
     return out
 
 
+def identity_as_made(
+    files: Sequence[str | os.PathLike[str]], made: Sequence[dict[str, Any]] | None
+) -> list[str | dict[str, Any]]:
+    """The merge's view of shards this workflow makes (the demo's): each path alone while
+    the file is as it was made (or not made yet), its :func:`input_identity` once changed.
+
+    ``made``: what the making stage recorded (demo_data's settings file).  A plain stat
+    would not do: a first run names the merge's settings before the shards exist, and a
+    name that changed once they do would rerun the merge for nothing.
+    """
+    ref = {os.path.normpath(r["path"]): r for r in made or []}
+    out: list[str | dict[str, Any]] = []
+    for f in files:
+        p = os.path.normpath(os.fspath(f))
+        rec = ref.get(p)
+        now = input_identity([f])[0] if rec is not None and os.path.exists(f) else None
+        same = now is None or (now["bytes"], now["mtime_ns"]) == (rec["bytes"], rec["mtime_ns"])
+        out.append(p if same else {**now, "path": p})
+    return out
+
+
 def _when(ns: int) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ns / 1e9)) + f".{ns % 10**9:09d}"
 
