@@ -35,8 +35,10 @@ CHILD = """
 import json, sys, time
 from pathlib import Path
 from hsextract import records
+def no_hash(path):  # by reference into the fork workers: a lambda does not pickle
+    return ""
 if sys.argv[3] == "off":
-    records._sha256_file = lambda path: ""
+    records._sha256_file = no_hash
 t = time.perf_counter()
 records.merge_and_shuffle([sys.argv[1] + "/shard_*.jsonl"], Path(sys.argv[2]), max_seq_len=8192,
     overlength="truncate", seed=0, vocab_size=129280, max_reject_fraction=0.0)
