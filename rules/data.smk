@@ -1,6 +1,6 @@
 rule merge_and_shuffle:
     input:
-        shards=input_shards(),
+        shards=MERGE_INPUTS,
         model_config=model_config_file(),
     output:
         train=run_path("merged/train.jsonl"),

@@ -319,11 +319,16 @@ def test_reject_fraction_bound(tmp_path: Path) -> None:
     p.write_bytes(_rec("a", 2) + b"\n{oops\n" + _rec("b", 2) + b"\n")
     with pytest.raises(RejectFractionError) as e:
         _merge([p], tmp_path / "o", max_reject_fraction=0.2)
-    assert "rejects.jsonl" in str(e.value) and "merge.max_reject_fraction" in str(e.value)
+    kept = tmp_path / "o" / "rejects-failed.jsonl"  # not an output: Snakemake keeps it
+    assert f"All are in {kept};" in str(e.value) and "merge.max_reject_fraction" in str(e.value)
+    assert kept.read_bytes() == (tmp_path / "o" / "rejects.jsonl").read_bytes()
+    assert [r["line"] for r in _read_jsonl(kept)] == [2]
     assert not (tmp_path / "o" / "train.jsonl").exists()
     assert json.loads((tmp_path / "o" / "stats.json").read_text())["rejected"] == 1
     stats = _merge([p], tmp_path / "o2", max_reject_fraction=0.34)  # 1/3 is within
     assert stats["records_out"] == 2
+    _merge([p], tmp_path / "o", max_reject_fraction=0.34)  # a merge that passes removes it
+    assert not kept.exists()
 
 
 def test_missing_inputs_are_named(tmp_path: Path) -> None:

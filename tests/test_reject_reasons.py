@@ -16,7 +16,7 @@ import orjson
 import pytest
 from fixtures_demo import make_workdir, run_dir_of, run_snakemake
 
-from hsextract.records import RejectFractionError, merge_and_shuffle
+from hsextract.records import FAILED_REJECTS, RejectFractionError, merge_and_shuffle
 
 GOOD = b'{"id": "g%d", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}'
 
@@ -79,7 +79,7 @@ def test_a_utf16_file_with_a_bom_is_named_on_every_line(tmp_path):
     assert all("UTF-16" in r["detail"] for r in rejects[1:3]), rejects
     msg = str(exc.value)
     assert f"first: {shard}:1: invalid_utf8: not UTF-8: UTF-16LE text" in msg
-    assert "iconv -f UTF-16 -t UTF-8" in msg and "rejects.jsonl" in msg
+    assert "iconv -f UTF-16 -t UTF-8" in msg and FAILED_REJECTS in msg
 
 
 def test_a_gzip_shard_is_named(tmp_path):

@@ -123,7 +123,7 @@ def _verify(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     """Which chunks the next run re-extracts, from the current split; touches nothing."""
     from hsextract.config import fingerprint, run_dir
-    from hsextract.plan import chunk_states
+    from hsextract.plan import changed_inputs, chunk_states
 
     cfg = _load(args)
     rd = run_dir(cfg)
@@ -135,15 +135,28 @@ def _plan(args: argparse.Namespace) -> int:
         )
     states = chunk_states(rd, index, fingerprint(cfg))
     todo = [s for s in states if not s.current]
+    stats = rd / "merged" / "stats.json"
+    changed = changed_inputs(cfg, json.loads(stats.read_text())) if stats.exists() else []
     print(
         f"{rd}: {len(todo)} of {len(states)} chunk(s) to extract, {len(states) - len(todo)} current"
     )
     for s in todo:
         print(f"  {s.chunk}: {s.reason}")
-    print(
-        "(from the split as it is now; if inputs or settings changed since, run "
-        f"`snakemake -j1 {index}` first)"
-    )
+    if changed:
+        # Which chunks a changed shard touches is known only once the merge and split
+        # have rerun: say so instead of calling the old split's chunks current.
+        print(f"inputs changed since the merge ({len(changed)}):")
+        for line in changed:
+            print(f"  {line}")
+        print(
+            "the next run re-merges; to see the chunks they change: "
+            f"`snakemake -j1 {index}`, then this again"
+        )
+    else:
+        print(
+            "(from the split as it is now; if settings changed since, run "
+            f"`snakemake -j1 {index}` first)"
+        )
     return 0
 
 

@@ -203,6 +203,7 @@ def verify_manifest(path: Path) -> list[str]:
         for name, digest in want.items():
             if digest != entries[name]["content_digest"]:
                 problems.append(f"{index_path}: {name}'s digest is not its train.jsonl lines'")
+    problems += _input_problems(root, data)
     listed = {c["chunk"] for c in data["chunks"]}
     for name in sorted(set(entries) - listed):
         problems.append(f"chunk {name}: in {index_path} but not in the manifest")
@@ -234,6 +235,46 @@ def verify_manifest(path: Path) -> list[str]:
             continue
         problems += _decode_problems(f, name)
     return problems
+
+
+def _workflow_dir(run_dir: Path, output_root: str | None) -> Path:
+    """The directory the workflow ran in (relative inputs are relative to it): the run
+    dir is ``<output_root>/<fingerprint>`` under it; the working directory when that
+    cannot be told (an absolute output_root)."""
+    run_dir = run_dir.resolve()
+    parts = Path(output_root or "").parts
+    if parts and not Path(output_root).is_absolute() and len(parts) < len(run_dir.parents):
+        wd = run_dir.parents[len(parts)]
+        if (wd / output_root).resolve() == run_dir.parent:
+            return wd
+    return Path.cwd()
+
+
+def _input_problems(root: Path, data: dict) -> list[str]:
+    """Each input shard changed since the merge, by its bytes (sha256): the chunks hold
+    states of what the merge read, and a changed shard makes them stale though every
+    chunk still matches train.jsonl."""
+    from hsextract.plan import changed_inputs
+
+    cfg = data.get("config") or {}
+    stats_path = root / data.get("merge_stats", "merged/stats.json")
+    try:
+        stats = json.loads(stats_path.read_text())
+    except (OSError, ValueError) as exc:
+        return [f"{stats_path}: unreadable ({exc}); cannot check the inputs"]
+    if "demo" not in cfg or "inputs" not in stats:
+        return []
+    try:
+        changed = changed_inputs(
+            cfg, stats, base=_workflow_dir(root, cfg.get("output_root")), content=True
+        )
+    except HsextractError as exc:
+        changed = [str(exc)]
+    return [
+        f"input {line}: the chunks are of what the merge read; rerun `snakemake -j1 "
+        "extract_all --forcerun merge_and_shuffle` (chunks whose records changed re-extract)"
+        for line in changed
+    ]
 
 
 def _decode_problems(f: Path, name: str) -> list[str]:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hsextract.errors import HsextractError
-from hsextract.records import read_index
+from hsextract.records import input_changes, read_index, resolve_inputs
 
 
 class PlanError(HsextractError):
@@ -51,13 +51,34 @@ def check_data_matches_config(cfg: dict, index_path: Path, stats_path: Path) -> 
     if diff:
         raise PlanError(
             f"{stats_path} was merged with other settings ({'; '.join(diff)}); run "
-            "`snakemake -j1 --forcerun merge_and_shuffle extract_all`"
+            "`snakemake -j1 extract_all --forcerun merge_and_shuffle`"
+        )
+    changed = changed_inputs(cfg, stats)
+    if changed:
+        raise PlanError(
+            f"the inputs changed since {stats_path} was merged ({'; '.join(changed)}); run "
+            "`snakemake -j1 extract_all --forcerun merge_and_shuffle`"
         )
     if index.get("n_chunks") != cfg["n_chunks"]:
         raise PlanError(
             f"{index_path} splits into {index.get('n_chunks')} chunks, n_chunks is "
-            f"{cfg['n_chunks']}; run `snakemake -j1 --forcerun split_chunks extract_all`"
+            f"{cfg['n_chunks']}; run `snakemake -j1 extract_all --forcerun split_chunks`"
         )
+
+
+def changed_inputs(
+    cfg: dict, stats: dict[str, Any], *, base: Path | None = None, content: bool = False
+) -> list[str]:
+    """Each shard added, gone or changed since the merge that wrote ``stats``, named.
+
+    Your shards are re-resolved from ``inputs`` (a new file a glob now matches counts);
+    the demo's are the ones the merge read.  Relative paths are relative to ``base``
+    (default: the working directory, the workflow's).  ``content``: see
+    :func:`hsextract.records.input_changes`.
+    """
+    recorded = stats.get("inputs") or []
+    current = None if cfg["demo"]["enabled"] else resolve_inputs(cfg["inputs"], base)
+    return input_changes(recorded, current, base=base, content=content)
 
 
 #: Names of the files a chunk job writes under hidden/.

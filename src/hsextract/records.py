@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import re
+import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -50,6 +51,9 @@ RANGE_BYTES = 8 << 20
 #: Below this many input bytes the merge runs in-process: a pool costs more than it saves.
 PARALLEL_MIN_BYTES = 16 << 20
 OVERLENGTH_POLICIES = ("truncate", "drop")
+#: Where a merge that fails on too many rejects leaves them, beside the outputs: not one of
+#: them, so Snakemake does not delete it with the failed job's; the next merge removes it.
+FAILED_REJECTS = "rejects-failed.jsonl"
 #: chunks/index.json layout: 2 added content digests and hash assignment.
 INDEX_FORMAT = 2
 
@@ -599,31 +603,151 @@ def _assemble(
 # --------------------------------------------------------------------------- inputs, ranges
 
 
-def resolve_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
-    """Expand globs (sorted) and check literal paths; the same file is read once.
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
 
-    Globs are expanded here, not by the caller, so an empty match can name the pattern.
+
+def resolve_inputs(
+    inputs: Sequence[str | os.PathLike[str]], base: str | os.PathLike[str] | None = None
+) -> list[Path]:
+    """Expand globs (sorted, ``**`` recursive) and check literal paths; each file once.
+
+    The one expansion of ``inputs``: the workflow (rules/common.smk), the merge, ``plan``
+    and ``verify`` all call it, so they never disagree on which shards there are.  Globs
+    are expanded here, not by the caller, so an empty match can name the pattern.  An
+    existing file is taken literally even when its name holds ``[`` or ``*``.  Relative
+    entries are relative to ``base`` (default: the working directory), and returned as
+    written, relative to it.
     """
+    root = os.fspath(base) if base is not None else None
+
+    def on_disk(p: str) -> str:
+        return os.path.join(root, p) if root is not None else p
+
     out: list[Path] = []
     seen: set[Path] = set()
     for entry in inputs:
         text = os.fspath(entry)
-        if glob.has_magic(text):
-            matches = sorted(glob.glob(text, recursive=True))
+        if os.path.isfile(on_disk(text)):
+            matches = [text]
+        elif glob.has_magic(text):
+            matches = sorted(glob.glob(text, root_dir=root, recursive=True))
             if not matches:
                 raise InputError(f"input glob {text!r} matches no file (config key: inputs)")
         else:
-            if not os.path.isfile(text):
-                raise InputError(f"input {text!r} is not a file (config key: inputs)")
-            matches = [text]
+            raise InputError(f"input {text!r} is not a file (config key: inputs)")
         for m in matches:
-            key = Path(m).resolve()
-            if key not in seen and os.path.isfile(m):
+            key = Path(on_disk(m)).resolve()
+            if key not in seen and os.path.isfile(on_disk(m)):
                 seen.add(key)
                 out.append(Path(m))
     if not out:
         raise InputError("no input files (config key: inputs)")
     return out
+
+
+def input_identity(files: Sequence[str | os.PathLike[str]]) -> list[dict[str, Any]]:
+    """Each input's path, size and mtime_ns: one stat each, no read.
+
+    What the merge records (stats.json) and what the workflow compares on every
+    invocation (the merge's settings-file name, rules/common.smk).  Any change of size or
+    mtime counts, backwards too: a shard replaced by an older copy (``cp -p``, ``rsync
+    -a``, ``tar x``) keeps an mtime older than train.jsonl's, which Snakemake's own
+    trigger never sees.
+    """
+    out = []
+    for f in files:
+        st = os.stat(f)
+        out.append({"path": os.fspath(f), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns})
+    return out
+
+
+def identity_as_made(
+    files: Sequence[str | os.PathLike[str]], made: Sequence[dict[str, Any]] | None
+) -> list[str | dict[str, Any]]:
+    """The merge's view of shards this workflow makes (the demo's): each path alone while
+    the file is as it was made (or not made yet), its :func:`input_identity` once changed.
+
+    ``made``: what the making stage recorded (demo_data's settings file).  A plain stat
+    would not do: a first run names the merge's settings before the shards exist, and a
+    name that changed once they do would rerun the merge for nothing.
+    """
+    ref = {os.path.normpath(r["path"]): r for r in made or []}
+    out: list[str | dict[str, Any]] = []
+    for f in files:
+        p = os.path.normpath(os.fspath(f))
+        rec = ref.get(p)
+        now = input_identity([f])[0] if rec is not None and os.path.exists(f) else None
+        same = now is None or (now["bytes"], now["mtime_ns"]) == (rec["bytes"], rec["mtime_ns"])
+        out.append(p if same else {**now, "path": p})
+    return out
+
+
+def _when(ns: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ns / 1e9)) + f".{ns % 10**9:09d}"
+
+
+def input_changes(
+    recorded: Sequence[dict[str, Any]],
+    current: Sequence[str | os.PathLike[str]] | None = None,
+    *,
+    base: str | os.PathLike[str] | None = None,
+    content: bool = False,
+) -> list[str]:
+    """How the inputs differ now from what the merge read (stats.json's ``inputs``).
+
+    One line per shard added, gone or changed, naming it; empty when they are the same.
+    ``current``: the shards the config resolves to now (None: check the recorded ones
+    only).  A change is a different size or mtime_ns (a stat); with ``content`` and a
+    recorded sha256 the bytes decide instead (a touched but unchanged shard is the same
+    data; one changed with its size and mtime restored is not): ``hsextract verify``
+    reads every input, the workflow and ``hsextract plan`` only stat them.
+    """
+
+    def key(p: str | os.PathLike[str]) -> str:
+        return os.path.normpath(os.fspath(p))
+
+    def on_disk(p: str) -> Path:
+        return Path(base, p) if base is not None else Path(p)
+
+    problems = []
+    old = {key(r["path"]): r for r in recorded}
+    if current is not None:
+        now = [key(p) for p in current]
+        for p in now:
+            if p not in old:
+                problems.append(f"{p}: an input now, not read by the merge")
+        for p in old:
+            if p not in now:
+                problems.append(f"{p}: read by the merge, no longer an input")
+        if not problems and now != list(old):
+            problems.append(f"inputs: now in another order ({', '.join(now)})")
+    for p, rec in old.items():
+        if current is not None and p not in now:
+            continue
+        f = on_disk(p)
+        try:
+            st = f.stat()
+        except OSError as exc:
+            problems.append(f"{p}: read by the merge, now unreadable ({exc.strerror})")
+            continue
+        diff = []
+        if st.st_size != rec.get("bytes", st.st_size):
+            diff.append(f"{rec['bytes']} -> {st.st_size} bytes")
+        if st.st_mtime_ns != rec.get("mtime_ns", st.st_mtime_ns):
+            diff.append(f"mtime {_when(rec['mtime_ns'])} -> {_when(st.st_mtime_ns)}")
+        if content and rec.get("sha256"):
+            got = _sha256_file(f)
+            if got == rec["sha256"]:
+                continue
+            diff.insert(0, f"sha256 {rec['sha256'][:12]}... -> {got[:12]}...")
+        if diff:
+            problems.append(f"{p}: changed since the merge read it ({', '.join(diff)})")
+    return problems
 
 
 def _plan_ranges(path: Path, target: int) -> list[tuple[int, int]]:
@@ -692,6 +816,11 @@ def _pool(workers: int, total_bytes: int) -> Iterator[ProcessPoolExecutor | None
 
 def _map(pool: ProcessPoolExecutor | None, fn: Any, tasks: list) -> list:
     return list(pool.map(fn, tasks) if pool is not None else map(fn, tasks))
+
+
+def _map_lazy(pool: ProcessPoolExecutor | None, fn: Any, tasks: Sequence) -> Iterator:
+    """Submitted now (a pool) or run when iterated (in-process); results in task order."""
+    return pool.map(fn, tasks) if pool is not None else map(fn, tasks)
 
 
 # --------------------------------------------------------------------------- merge
@@ -923,7 +1052,7 @@ def _histogram(lengths: np.ndarray, max_seq_len: int) -> list[dict[str, int]]:
     return [{"lo": edges[i], "hi": edges[i + 1] - 1, "count": int(c)} for i, c in enumerate(counts)]
 
 
-def _stats(files: list[Path], col: _Collector, params: dict[str, Any]) -> dict[str, Any]:
+def _stats(inputs: list[dict[str, Any]], col: _Collector, params: dict[str, Any]) -> dict[str, Any]:
     """stats.json: what went in, what came out, and why anything did not.
 
     numpy and Counter only: importing pandas cost ~0.3 s of a ~3 s merge for two counts.
@@ -936,7 +1065,9 @@ def _stats(files: list[Path], col: _Collector, params: dict[str, Any]) -> dict[s
     pct = np.percentile(lengths, [50, 90, 99]).tolist() if len(lengths) else [0.0] * 3
     return {
         "params": params,
-        "inputs": [{"path": str(p), "bytes": p.stat().st_size} for p in files],
+        # What the merge read (input_identity, and each file's sha256): plan and verify
+        # name a shard that changed since.
+        "inputs": inputs,
         "records_in": records_in,
         "blank_lines": col.counts["blank_lines"],
         "records_out": len(lengths),
@@ -980,8 +1111,9 @@ def merge_and_shuffle(
 
     Writes ``train.jsonl``, ``stats.json`` and ``rejects.jsonl`` in ``out_dir`` and returns
     the stats.  ``inputs`` holds paths and globs, expanded here (sorted).  When more than
-    ``max_reject_fraction`` of the records are malformed it writes stats and rejects, not
-    train.jsonl, and raises RejectFractionError.  ``workers`` defaults to the CPU count.
+    ``max_reject_fraction`` of the records are malformed it writes stats and rejects (also
+    to :data:`FAILED_REJECTS`), not train.jsonl, and raises RejectFractionError.
+    ``workers`` defaults to the CPU count.
     """
     if overlength not in OVERLENGTH_POLICIES:
         raise InputError(f"merge.overlength must be one of {OVERLENGTH_POLICIES}: {overlength!r}")
@@ -992,7 +1124,7 @@ def merge_and_shuffle(
     out_dir.mkdir(parents=True, exist_ok=True)
     limits = _Limits(vocab_size or INT32_BOUND, max_seq_len, overlength)
     workers = workers or min(os.cpu_count() or 1, 8)
-    before = [(p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    read = input_identity(files)
     tasks = [(str(p), a, b, limits) for p in files for a, b in _plan_ranges(p, RANGE_BYTES)]
     file_of = {str(p): i for i, p in enumerate(files)}
     params = {
@@ -1002,27 +1134,34 @@ def merge_and_shuffle(
         "vocab_size": vocab_size,
         "max_reject_fraction": max_reject_fraction,
     }
-    with _pool(workers, sum(b for b, _ in before)) as pool:
+    with _pool(workers, sum(r["bytes"] for r in read)) as pool:
         col = _Collector(files, limits)
-        for task, res in zip(tasks, _map(pool, _scan_task, tasks), strict=True):
+        scans = _map_lazy(pool, _scan_task, tasks)
+        # Queued behind the scans: each input's sha256, for `hsextract verify`.  The
+        # workflow itself compares only sizes and mtimes, which cost no read.
+        digests = _map_lazy(pool, _sha256_file, files)
+        for task, res in zip(tasks, scans, strict=True):
             col.add(file_of[task[0]], res)
-        stats = _stats(files, col, params)
-        _write_atomic(
-            out_dir / "rejects.jsonl", b"".join(orjson.dumps(r) + b"\n" for r in col.rejects)
-        )
-        _check_fraction(stats, out_dir, len(files), col.rejects)
+        for rec, digest in zip(read, digests, strict=True):
+            rec["sha256"] = digest
+        stats = _stats(read, col, params)
+        rejects = b"".join(orjson.dumps(r) + b"\n" for r in col.rejects)
+        _write_atomic(out_dir / "rejects.jsonl", rejects)
+        _check_fraction(stats, out_dir, len(files), col.rejects, rejects)
         # A permutation of canonical (file, line) order: a function of seed and kept set.
         order = np.random.Generator(np.random.PCG64(seed)).permutation(len(col.kept.file))
         tmp = _tmp_name(out_dir / "train.jsonl")
         try:
             stats["bytes_out"] = _write_records(pool, tmp, files, col.kept, order, workers)
-            if [(p.stat().st_size, p.stat().st_mtime_ns) for p in files] != before:
+            if input_changes(read):
                 raise InputError("input files changed during the merge; rerun it")
             os.replace(tmp, out_dir / "train.jsonl")
         finally:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
     _write_atomic(out_dir / "stats.json", _dump_json(stats))
+    # A failed merge's rejects are of inputs that have since been fixed.
+    (out_dir / FAILED_REJECTS).unlink(missing_ok=True)
     return stats
 
 
@@ -1040,33 +1179,34 @@ def reject_examples(
 
 
 def _check_fraction(
-    stats: dict[str, Any], out_dir: Path, n_files: int, rejects: Sequence[dict[str, Any]]
+    stats: dict[str, Any],
+    out_dir: Path,
+    n_files: int,
+    rejects: Sequence[dict[str, Any]],
+    rejects_bytes: bytes,
 ) -> None:
-    """Fail (after writing stats.json) on no records or too many malformed ones."""
+    """Fail (after writing stats.json) on no records or too many malformed ones.
+
+    The rejects of a failed merge also go to :data:`FAILED_REJECTS`, which the message
+    names: Snakemake deletes a failed job's outputs, rejects.jsonl with them.
+    """
     if stats["records_in"] == 0:
         _write_atomic(out_dir / "stats.json", _dump_json(stats))
         raise InputError(f"no records in {n_files} input file(s) (config key: inputs)")
     bound = stats["params"]["max_reject_fraction"]
     if stats["reject_fraction"] > bound:
         _write_atomic(out_dir / "stats.json", _dump_json(stats))
+        _write_atomic(out_dir / FAILED_REJECTS, rejects_bytes)
         reasons = ", ".join(f"{k}: {v}" for k, v in stats["rejected_by_reason"].items())
         raise RejectFractionError(
             f"{stats['rejected']} of {stats['records_in']} records rejected "
             f"({stats['reject_fraction']:.2%}) > merge.max_reject_fraction={bound} "
             f"({reasons}); first: {reject_examples(rejects)}. All are in "
-            f"{out_dir / 'rejects.jsonl'}; fix the inputs or raise merge.max_reject_fraction"
+            f"{out_dir / FAILED_REJECTS}; fix the inputs or raise merge.max_reject_fraction"
         )
 
 
 # --------------------------------------------------------------------------- chunks
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
 
 
 #: How records are assigned to chunks; recorded in the index (a change re-extracts all).

@@ -51,11 +51,13 @@ def write_settings(path: Path, values: dict) -> None:
 
 def demo_data(sm: Any) -> None:
     from hsextract.demo import build_demo_data
+    from hsextract.records import input_identity
 
     build_demo_data([Path(p) for p in sm.output.shards], sm.params.demo, sm.params.max_seq_len)
-    write_settings(
-        Path(sm.output.settings), {"demo": sm.params.demo, "max_seq_len": sm.params.max_seq_len}
-    )
+    # The shards as made: one changed in place later, whatever its mtime, reruns the merge
+    # (records.identity_as_made).
+    made = {"demo": sm.params.demo, "max_seq_len": sm.params.max_seq_len}
+    write_settings(Path(sm.output.settings), {**made, "shards": input_identity(sm.output.shards)})
 
 
 def demo_model(sm: Any) -> None:
