@@ -1,5 +1,6 @@
-"""What both exports share (export/common.py): the directory they may write in, and the
-data change that makes a chunk stale, used by both exports' tests."""
+"""What both exports share (export/common.py): the directory they may write in; and the
+helpers both exports' tests use to make a chunk stale.  (hsextract imports are in the
+tests, so that the exports' tests also run on code without them: before/after checks.)"""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ from pathlib import Path
 
 import pytest
 from fixtures_demo import run_snakemake
-
-from hsextract.export.common import OWNER_FILE, ExportError, claim_dir
 
 
 def copy_workdir(workdir: Path, run_dir: Path, dst: Path) -> tuple[Path, Path]:
@@ -53,6 +52,8 @@ def put_other_records_in(run_dir: Path, chunk: str, other: str) -> None:
 
 
 def test_claim_refuses_a_directory_that_is_not_ours_and_changes_nothing(tmp_path):
+    from hsextract.export.common import ExportError, claim_dir
+
     theirs = tmp_path / "theirs"
     (theirs / "sub").mkdir(parents=True)
     (theirs / "sub" / "notes.tmp").write_text("mine")
@@ -62,6 +63,8 @@ def test_claim_refuses_a_directory_that_is_not_ours_and_changes_nothing(tmp_path
 
 
 def test_claim_takes_a_new_or_empty_directory_then_only_that_run_and_format(tmp_path):
+    from hsextract.export.common import OWNER_FILE, ExportError, claim_dir
+
     out = tmp_path / "out"
     (out / "done").mkdir(parents=True)  # what Snakemake creates before a job runs
     claim_dir(out, "fmt", "fp1", tmp_path, "reads")

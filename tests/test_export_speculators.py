@@ -12,7 +12,7 @@ from fixtures_demo import make_workdir, planned_jobs, run_dir_of, run_snakemake
 from test_export_common import copy_workdir, make_one_chunk_stale, put_other_records_in
 
 from hsextract.chunks import ChunkReader
-from hsextract.export.common import OWNER_FILE, record_indices
+from hsextract.export.common import record_indices
 
 
 @pytest.fixture(scope="module")
@@ -170,10 +170,11 @@ def test_speculators_export_refuses_a_directory_it_does_not_own(prenorm_run, tmp
     # Another format's export directory (SpecForge's) is not taken either.
     other = tmp_path / "specforge"
     other.mkdir()
-    (other / OWNER_FILE).write_text(json.dumps({"format": "specforge-offline-eagle3"}))
+    owner = other / "hsextract_export.json"
+    owner.write_text(json.dumps({"format": "specforge-offline-eagle3"}))
     res = cli("--manifest", manifest, "--out", str(other))
     assert res.returncode == 1 and f"{other} holds the export of run" in res.stderr
-    assert [p.name for p in other.iterdir()] == [OWNER_FILE]
+    assert list(other.iterdir()) == [owner]
 
 
 @pytest.mark.workflow

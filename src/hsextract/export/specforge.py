@@ -48,6 +48,7 @@ from typing import Any
 
 from hsextract.export.common import (
     ExportError,
+    check_chunks,
     claim_dir,
     open_chunk,
     read_json,
@@ -506,6 +507,7 @@ def export_run(
     man = read_json(mpath, "export", "run `snakemake -j1 extract_all` first")
     run_dir = mpath.parent
     out = Path(out) if out is not None else default_out(run_dir)
+    check_chunks(run_dir, man)
     prepare(out, run_dir, str(man.get("fingerprint")), gzip)
     written = kept = 0
     with tqdm(

@@ -38,7 +38,14 @@ from typing import Any
 import torch
 
 from hsextract.chunks import ChunkReader
-from hsextract.export.common import CheckedChunk, ExportError, claim_dir, open_chunk, read_json
+from hsextract.export.common import (
+    CheckedChunk,
+    ExportError,
+    check_chunks,
+    claim_dir,
+    open_chunk,
+    read_json,
+)
 
 DATASET_FILES = ("dataset_info.json", "state.json")
 FORMAT = "speculators-offline"
@@ -157,7 +164,7 @@ def _write_chunk(src: CheckedChunk, run_dir: Path, out: Path, marker: Path) -> d
         tensors = {"token_ids": rec["input_ids"].to(torch.int64), "hidden_states": states}
         try:
             save_file(
-                {k: v.contiguous() for k, v in tensors.items()},
+                {key: v.contiguous() for key, v in tensors.items()},
                 str(tmp),
                 # One key: safetensors writes a metadata map in hash order, which differs
                 # per process, and a rerun must give the same bytes.
@@ -263,11 +270,7 @@ def export_run(manifest: str | os.PathLike[str], out: str | os.PathLike[str] | N
     out = Path(out) if out is not None else default_out(run_dir)
     fp = str(man.get("fingerprint"))
     claim_dir(out, FORMAT, fp, run_dir, READS)
-    # Every chunk is checked before anything is written: a stale one found halfway would
-    # leave the new dataset beside the old states.  (A second read of each chunk's ids
-    # and masks, small beside its states.)
-    for c in man["chunks"]:
-        _require_prenorm(open_chunk(run_dir, c["chunk"], c["sha256"]))
+    check_chunks(run_dir, man, _require_prenorm)
     export_dataset(run_dir / "merged" / "train.jsonl", out, out / "done" / "dataset.json", fp)
     for c in tqdm(
         man["chunks"], unit="chunk", desc="export speculators", disable=not sys.stderr.isatty()
