@@ -22,6 +22,7 @@ from specforge.algorithms.eagle3.data import normalize_offline_sample
 from specforge.data.preprocessing import build_offline_eagle3_dataset
 from specforge.runtime.data_plane.feature_store import LocalFeatureStore, load_feature_file
 from specforge.runtime.data_plane.offline_reader import OfflineManifestReader
+from test_export_common import make_one_chunk_stale, put_other_records_in
 
 from hsextract.chunks import ChunkReader, ChunkWriter
 from hsextract.export.common import record_indices
@@ -290,7 +291,8 @@ def test_cli_refuses_a_directory_it_does_not_own(exported, tmp_path):
     (theirs / "rows_0-2000").mkdir(parents=True)
     (theirs / "rows_0-2000" / "data_0.ckpt").write_bytes(b"their record")
     res = cli("--manifest", manifest, "--out", str(theirs))
-    assert res.returncode == 1 and "not empty and holds no hsextract export" in res.stderr
+    assert res.returncode == 1
+    assert f"{theirs} is not empty and holds no hsextract export" in res.stderr
     assert (theirs / "rows_0-2000" / "data_0.ckpt").read_bytes() == b"their record"
     # Another run's export directory: mixing two runs' states is refused.
     other = tmp_path / "other"
@@ -361,3 +363,53 @@ def test_bf16_states_keep_their_dtype_and_prenorm_aux_is_left_out(exported, tmp_
     (rd / "hidden" / "chunk_00000.json").write_text(json.dumps(side))
     assert export_chunk(rd, "chunk_00000", out)["written"] == len(recs)
     assert export_chunk(rd, "chunk_00000", out)["kept"] == len(recs)
+
+
+def test_a_stale_chunk_is_refused(demo_copy):
+    workdir, rd = demo_copy["workdir"], demo_copy["run_dir"]
+    out = out_of(rd)
+    run_snakemake(workdir, "-j1", "export_specforge")
+    stale = make_one_chunk_stale(workdir, rd)
+    hidden = rd / "hidden" / f"{stale}.safetensors"
+    before = stamps(out)
+    res = cli("--manifest", str(rd / "manifest.json"))
+    assert res.returncode == 1, res.stdout
+    assert f"{stale}: {hidden} holds other records than chunks/index.json assigns it" in (
+        res.stderr
+    )
+    assert f"rerun `snakemake -j1 {hidden}`" in res.stderr
+    assert stamps(out) == before  # every chunk is checked before anything is written
+    # The workflow's chunk job refuses such a chunk when nothing upstream sees it (-k:
+    # the manifest job may refuse first).
+    hidden.unlink()
+    run_snakemake(workdir, "-j1", "export_specforge")  # what the message says to do
+    check_export(rd, out)
+    put_other_records_in(rd, "chunk_00001", "chunk_00002")
+    proc = run_snakemake(workdir, "-j1", "-k", "export_specforge", check=False)
+    rel = (rd / "hidden" / "chunk_00001.safetensors").relative_to(workdir)
+    assert proc.returncode != 0
+    assert f"chunk_00001: {rel} holds other records than chunks/index.json" in proc.stderr
+
+
+def test_files_it_did_not_write_survive_in_its_own_directory(exported, tmp_path):
+    manifest = str(exported["run_dir"] / "manifest.json")
+    out = tmp_path / "sf"
+    assert cli("--manifest", manifest, "--out", str(out)).returncode == 0
+    planted = {
+        "notes.tmp": b"their notes",
+        "settings-mine.json": b"{}",
+        "done/notes.txt": b"their notes",
+        "journal/notes.jsonl": b"their notes",
+        "rows_0-2000/notes.tmp": b"their notes",
+        "rows_0-2000/.data_3.ckpt.tmp": b"their temp",
+    }
+    for name, data in planted.items():
+        (out / name).write_bytes(data)
+    killed = out / "rows_0-2000" / ".data_3.ckpt.4242.tmp"  # a killed writer's
+    killed.write_bytes(b"partial")
+    # --gzip: another settings file, every record rewritten, every .ckpt removed.
+    res = cli("--manifest", manifest, "--out", str(out), "--gzip")
+    assert res.returncode == 0, res.stderr
+    assert "48 written" in res.stdout and not killed.exists()
+    assert {n: (out / n).read_bytes() for n in planted} == planted
+    check_export(exported["run_dir"], out, suffix=".ckpt.gz")

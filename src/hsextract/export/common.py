@@ -1,13 +1,18 @@
-"""What every export shares: a record's stable index, its error, reading its inputs."""
+"""What every export shares: a record's stable index, its error, reading its inputs, the
+checked chunk it exports from, and the ownership of its directory."""
 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
+from hsextract.chunks import ChunkReader
 from hsextract.errors import HsextractError
 from hsextract.records import read_index
 
@@ -55,3 +60,139 @@ def record_indices(run_dir: Path, chunk: str) -> list[int]:
                 raise ValueError(f"{chunk}: index lines do not start lines of {train}")
             return lines.tolist()
     raise KeyError(f"{chunk} is not a chunk of {run_dir / 'chunks' / 'index.json'}")
+
+
+OWNER_FILE = "hsextract_export.json"
+
+
+def claim_dir(out: Path, fmt: str, fingerprint: str, run_dir: Path, reads: str) -> None:
+    """Make ``out`` this run's ``fmt`` export directory, or refuse naming it.
+
+    An export replaces and removes files in its directory, and the trainer reads what is
+    there (``reads`` says what), so a directory holding anything else (another tool's,
+    another run's or another format's files) is never used.  The owner file is created
+    (atomically, exclusively) before anything else is written: an entry seen without it,
+    after a second look, is not ours.  Empty folders are not entries: Snakemake creates
+    the folders of a job's outputs (``done/``) before the job runs.
+    """
+    owner = out / OWNER_FILE
+    want = {"format": fmt, "fingerprint": fingerprint, "run_dir": str(run_dir.resolve())}
+
+    def check() -> bool:
+        try:
+            have = json.loads(owner.read_text())
+        except FileNotFoundError:
+            return False
+        except (OSError, ValueError) as exc:
+            raise ExportError(f"{owner} is unreadable ({exc}); delete {out}, export again") from exc
+        if have.get("format") != fmt or have.get("fingerprint") != fingerprint:
+            raise ExportError(
+                f"{out} holds the export of run {have.get('fingerprint')!r} "
+                f"({have.get('run_dir')}, {have.get('format')}), not the {fmt} export of "
+                f"{fingerprint} ({run_dir}): the trainer would mix both; export to another "
+                "directory or delete it"
+            )
+        return True
+
+    def foreign(entry: os.DirEntry) -> bool:
+        if entry.name.startswith(f".{OWNER_FILE}."):
+            return False
+        if entry.is_dir(follow_symlinks=False):
+            return any(True for _ in os.scandir(entry.path))
+        return True
+
+    if check():
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    with os.scandir(out) as entries:
+        taken = any(foreign(e) for e in entries)
+    if taken and not check():
+        raise ExportError(
+            f"{out} is not empty and holds no hsextract export; {reads}: export to a new or "
+            "empty directory (nothing in it was changed)"
+        )
+    tmp = out / f".{OWNER_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(want, indent=2, sort_keys=True) + "\n")
+    try:
+        os.link(tmp, owner)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+    check()
+
+
+@dataclass(frozen=True)
+class CheckedChunk:
+    """A chunk file an export may read: the one its sidecar (and the manifest) describe,
+    holding exactly the records ``chunks/index.json`` assigns it."""
+
+    name: str
+    path: Path
+    sidecar: dict
+    sha256: str
+    content_digest: str
+    reader: ChunkReader
+    indices: list[int]
+
+
+def open_chunk(run_dir: Path, chunk: str, expect_sha256: str | None = None) -> CheckedChunk:
+    """``chunk`` of ``run_dir``, checked before any export writes a file from it.
+
+    Every exported file is named by its record's train.jsonl line and holds the chunk's
+    states, so a chunk extracted from other records than the index now assigns it (the
+    data changed and the chunk was not re-extracted) would pair new tokens with old
+    states: its content digest, computed from its own tensors, must equal the index's.
+    ``expect_sha256`` (the manifest's) refuses a chunk re-extracted since the manifest.
+    """
+    from hsextract.chunks import ChunkFileError, content_digest_of
+    from hsextract.records import ChunkInputError
+
+    run_dir = Path(run_dir)
+    hidden = run_dir / "hidden" / f"{chunk}.safetensors"
+    redo = f"re-extract it: delete it and rerun `snakemake -j1 {hidden}`"
+    sidecar = read_json(hidden.with_suffix(".json"), chunk, f"extract it first ({redo})")
+    try:
+        size = hidden.stat().st_size
+    except FileNotFoundError:
+        raise ExportError(f"{chunk}: {hidden} does not exist; {redo}") from None
+    if size != sidecar.get("bytes"):
+        raise ExportError(
+            f"{chunk}: {hidden} is {size} bytes, its sidecar says {sidecar.get('bytes')}; {redo}"
+        )
+    source_sha = str(sidecar["sha256"])
+    if expect_sha256 is not None and expect_sha256 != source_sha:
+        raise ExportError(
+            f"{chunk}: {hidden} (sha256 {source_sha[:12]}) is not the file the manifest "
+            f"lists ({expect_sha256[:12]}): rerun `snakemake -j1 extract_all`, then export"
+        )
+    try:
+        index = read_index(run_dir / "chunks" / "index.json")
+        entry = next(e for e in index["chunks"] if Path(e["path"]).stem == chunk)
+        indices = record_indices(run_dir, chunk)
+        digest = content_digest_of(hidden)
+        reader = ChunkReader(hidden)
+    except StopIteration:
+        raise ExportError(f"{chunk} is not a chunk of {run_dir}/chunks/index.json") from None
+    except (ChunkFileError, ChunkInputError, OSError, KeyError, ValueError) as exc:
+        raise ExportError(f"{chunk}: {exc}; {redo}") from exc
+    if digest != entry["content_digest"] or len(reader) != len(indices):
+        raise ExportError(
+            f"{chunk}: {hidden} holds other records than chunks/index.json assigns it "
+            f"(extracted before the data changed, or replaced since); nothing was exported "
+            f"from it: {redo}"
+        )
+    return CheckedChunk(chunk, hidden, sidecar, source_sha, digest, reader, indices)
+
+
+def check_chunks(
+    run_dir: Path, man: dict, require: Callable[[CheckedChunk], None] | None = None
+) -> None:
+    """Every chunk of a manifest through :func:`open_chunk` (then ``require``) before an
+    export writes anything: a stale chunk found halfway would leave files of the new data
+    beside files of the old.  Costs a second read of each chunk's ids and masks, small
+    beside its states."""
+    for c in man["chunks"]:
+        src = open_chunk(run_dir, c["chunk"], c["sha256"])
+        if require is not None:
+            require(src)

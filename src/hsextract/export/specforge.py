@@ -46,7 +46,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from hsextract.export.common import ExportError, read_json, record_indices
+from hsextract.export.common import (
+    ExportError,
+    check_chunks,
+    claim_dir,
+    open_chunk,
+    read_json,
+)
 
 log = logging.getLogger("hsextract")
 
@@ -57,10 +63,12 @@ GZIP_LEVEL = 6
 #: Bumped when what a file holds for a record changes: every file is rewritten then.
 LAYOUT_VERSION = 1
 FORMAT = "specforge-offline-eagle3"
-OWNER_FILE = "hsextract_export.json"
+#: Why a directory holding anything else is refused (:func:`claim_dir`).
+READS = "SpecForge reads every .ckpt under the directory it is given"
 SUMMARY_FILE = "export.json"
 _DATA_RE = re.compile(r"^data_(\d+)\.ckpt(\.gz)?$")
 _TEMP_RE = re.compile(r"^\.data_(\d+)\.ckpt(?:\.gz)?\.\d+\.tmp$")
+_SETTINGS_RE = re.compile(r"^settings-[0-9a-f]{12}\.json$")
 _CHUNK_FILE_RE = re.compile(r"^\.?(chunk_\d+)\.(?:json|jsonl|lock)(?:\.\d+\.tmp)?$")
 
 
@@ -114,51 +122,6 @@ def _write_json_if_changed(path: Path, data: dict) -> bool:
     return True
 
 
-def _claim(out: Path, fingerprint: str, run_dir: Path) -> None:
-    """Make ``out`` this run's export directory, or refuse.
-
-    Orphan cleanup deletes files here, and SpecForge trains on every ``.ckpt`` below it,
-    so a directory holding anything else (another tool's or another run's files) is never
-    used.  The owner file is created (atomically, exclusively) before anything else is
-    written: an entry seen without it, after a second look, is not ours.
-    """
-    owner = out / OWNER_FILE
-    want = {"format": FORMAT, "fingerprint": fingerprint, "run_dir": str(run_dir.resolve())}
-
-    def check() -> bool:
-        try:
-            have = json.loads(owner.read_text())
-        except FileNotFoundError:
-            return False
-        except (OSError, ValueError) as exc:
-            raise ExportError(f"{owner} is unreadable ({exc}); delete {out}, export again") from exc
-        if have.get("format") != FORMAT or have.get("fingerprint") != fingerprint:
-            raise ExportError(
-                f"{out} holds the export of run {have.get('fingerprint')!r} "
-                f"({have.get('run_dir')}), not of {fingerprint} ({run_dir}): SpecForge would "
-                "mix both runs' states; export to another directory or delete it"
-            )
-        return True
-
-    if check():
-        return
-    out.mkdir(parents=True, exist_ok=True)
-    if any(not e.startswith(f".{OWNER_FILE}.") for e in os.listdir(out)) and not check():
-        raise ExportError(
-            f"{out} is not empty and holds no hsextract export; SpecForge reads every .ckpt "
-            "under the directory it is given: export to a new or empty directory"
-        )
-    tmp = out / f".{OWNER_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(want, indent=2, sort_keys=True) + "\n")
-    try:
-        os.link(tmp, owner)
-    except FileExistsError:
-        pass
-    finally:
-        tmp.unlink(missing_ok=True)
-    check()
-
-
 @contextlib.contextmanager
 def _lock(path: Path, shared: bool, busy: str) -> Iterator[None]:
     """A non-blocking flock: two writers of one chunk, or a cleanup during a chunk's
@@ -180,10 +143,10 @@ def prepare(
 ) -> Path:
     """Claim the directory and record the settings (earlier settings files go)."""
     out, run_dir = Path(out), Path(run_dir)
-    _claim(out, fingerprint, run_dir)
+    claim_dir(out, FORMAT, fingerprint, run_dir, READS)
     path = settings_file(out, gzip)
     for old in out.glob("settings-*.json"):
-        if old != path and not old.is_symlink():
+        if old != path and _SETTINGS_RE.match(old.name) and not old.is_symlink():
             old.unlink(missing_ok=True)
     _write_json_if_changed(path, settings(gzip))
     return path
@@ -299,45 +262,13 @@ def export_chunk(
     ``expect_sha256`` (the manifest's) refuses a chunk re-extracted since the manifest.
     ``progress`` is called with 1 per record.
     """
-    from hsextract.chunks import ChunkFileError, ChunkReader, content_digest_of
-    from hsextract.records import ChunkInputError, read_index
-
     t0 = time.monotonic()
     run_dir = Path(run_dir)
     out = Path(out) if out is not None else default_out(run_dir)
-    hidden = run_dir / "hidden" / f"{chunk}.safetensors"
-    redo = f"re-extract it: delete it and rerun `snakemake -j1 {hidden}`"
-    sidecar = read_json(hidden.with_suffix(".json"), chunk, f"extract it first ({redo})")
-    try:
-        size = hidden.stat().st_size
-    except FileNotFoundError:
-        raise ExportError(f"{chunk}: {hidden} does not exist; {redo}") from None
-    if size != sidecar.get("bytes"):
-        raise ExportError(
-            f"{chunk}: {hidden} is {size} bytes, its sidecar says {sidecar.get('bytes')}; {redo}"
-        )
-    source_sha = str(sidecar["sha256"])
-    if expect_sha256 is not None and expect_sha256 != source_sha:
-        raise ExportError(
-            f"{chunk}: {hidden} (sha256 {source_sha[:12]}) is not the file the manifest "
-            f"lists ({expect_sha256[:12]}): rerun `snakemake -j1 extract_all`, then export"
-        )
-    try:
-        index = read_index(run_dir / "chunks" / "index.json")
-        entry = next(e for e in index["chunks"] if Path(e["path"]).stem == chunk)
-        idxs = record_indices(run_dir, chunk)
-        digest = content_digest_of(hidden)
-        reader = ChunkReader(hidden)
-    except StopIteration:
-        raise ExportError(f"{chunk} is not a chunk of {run_dir}/chunks/index.json") from None
-    except (ChunkFileError, ChunkInputError, OSError, KeyError, ValueError) as exc:
-        raise ExportError(f"{chunk}: {exc}; {redo}") from exc
-    if digest != entry["content_digest"] or len(reader) != len(idxs):
-        raise ExportError(
-            f"{chunk}: {hidden} holds other records than chunks/index.json assigns it (the "
-            f"data changed since it was extracted); {redo}"
-        )
-    _claim(out, str(sidecar.get("fingerprint")), run_dir)
+    src = open_chunk(run_dir, chunk, expect_sha256)
+    hidden, sidecar, reader, idxs = src.path, src.sidecar, src.reader, src.indices
+    source_sha, digest = src.sha256, src.content_digest
+    claim_dir(out, FORMAT, str(sidecar.get("fingerprint")), run_dir, READS)
 
     # The EAGLE-3 aux layers only: the reader hands a prenorm_final capture (aux index L)
     # out on its own, and SpecForge has no slot for it.
@@ -576,6 +507,7 @@ def export_run(
     man = read_json(mpath, "export", "run `snakemake -j1 extract_all` first")
     run_dir = mpath.parent
     out = Path(out) if out is not None else default_out(run_dir)
+    check_chunks(run_dir, man)
     prepare(out, run_dir, str(man.get("fingerprint")), gzip)
     written = kept = 0
     with tqdm(

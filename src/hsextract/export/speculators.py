@@ -12,6 +12,11 @@ reads it (speculators 0.9.0; ``hs_connectors.FileTransfer`` loads the files)::
       done/chunk_<i>.json               ours: which files a chunk's export wrote (sha256)
       done/dataset.json                 ours: the dataset's rows and train.jsonl's sha256
       export.json                       ours, last: the export checked against the manifest
+      hsextract_export.json             ours, first: which run owns the directory
+
+The directory must be new, empty or already this run's export (:func:`claim_dir`), and
+only files named as the export names them are ever replaced or removed there: a file of
+any other name (someone's notes) is left alone.
 
 ``idx`` is the dataset row, which speculators maps to ``hs_{idx}``; rows are the lines of
 train.jsonl, so ``idx`` is the record's line number (:func:`record_indices`), the same
@@ -27,18 +32,33 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from hsextract.chunks import ChunkReader
-from hsextract.export.common import ExportError, read_json, record_indices
+from hsextract.export.common import (
+    CheckedChunk,
+    ExportError,
+    check_chunks,
+    claim_dir,
+    open_chunk,
+    read_json,
+)
 
 DATASET_FILES = ("dataset_info.json", "state.json")
 FORMAT = "speculators-offline"
+SUMMARY_FILE = "export.json"
+#: Why a directory holding anything else is refused (:func:`claim_dir`).
+READS = (
+    "speculators reads the Arrow dataset and hidden_states/ of the directory it is given, "
+    "and the export replaces them"
+)
 _HS_RE = re.compile(r"^hs_(\d+)\.safetensors$")
+_HS_TEMP_RE = re.compile(r"^\.hs_\d+\.safetensors\.\d+\.tmp$")
+_ARROW_RE = re.compile(r"^data-\d{5}-of-\d{5}\.arrow$")
+_DATASET_TEMP_RE = re.compile(r"^\.dataset\.\d+\.tmp$")
 
 
 def hs_path(out: Path, idx: int) -> Path:
@@ -49,13 +69,17 @@ def write_dataset(train: Path, out: Path) -> int:
     """The Arrow dataset of every line of ``train`` (train.jsonl), in order; returns rows.
 
     Built in a temporary directory beside ``out`` and moved in with ``state.json`` last,
-    so a killed export leaves no dataset ``load_from_disk`` would take as complete.
+    so a killed export leaves no dataset ``load_from_disk`` would take as complete.  The
+    caller has claimed ``out``: the files replaced are only those ``save_to_disk`` names.
     """
     import datasets
     import orjson
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    # One dataset job per export directory: another's temporary directory is a killed one's.
+    for old in out.iterdir():
+        if _DATASET_TEMP_RE.match(old.name) and old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
 
     def rows():
         with open(train, "rb") as f:
@@ -74,7 +98,9 @@ def write_dataset(train: Path, out: Path) -> int:
             "seq_len": datasets.Value("int64"),
         }
     )
-    tmp = Path(tempfile.mkdtemp(prefix=".dataset-", dir=out))
+    tmp = out / f".dataset.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
     try:
         ds = datasets.Dataset.from_generator(
             rows, features=features, cache_dir=str(tmp / "cache"), keep_in_memory=False
@@ -82,7 +108,8 @@ def write_dataset(train: Path, out: Path) -> int:
         ds.set_format(type="torch")  # speculators compares torch tensors row by row
         ds.save_to_disk(str(tmp / "ds"))
         for old in [*out.glob("data-*.arrow"), *(out / n for n in DATASET_FILES)]:
-            old.unlink(missing_ok=True)
+            if _ARROW_RE.match(old.name) or old.name in DATASET_FILES:
+                old.unlink(missing_ok=True)
         new = sorted((tmp / "ds").iterdir(), key=lambda p: p.name == "state.json")
         for f in new:
             os.replace(f, out / f.name)
@@ -91,49 +118,70 @@ def write_dataset(train: Path, out: Path) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def export_chunk(chunk: Path, run_dir: Path, out: Path, marker: Path) -> dict:
-    """Write ``hs_{idx}.safetensors`` for every record of one chunk file, then ``marker``."""
+def export_chunk(
+    chunk: Path, run_dir: Path, out: Path, marker: Path, expect_sha256: str | None = None
+) -> dict:
+    """Write ``hs_{idx}.safetensors`` for every record of one chunk file, then ``marker``.
+
+    The chunk is checked first (:func:`open_chunk`: its records are the ones the index
+    assigns it, ``expect_sha256`` the manifest's), so no file pairs new tokens with states
+    of old ones."""
+    src = open_chunk(Path(run_dir), Path(chunk).stem, expect_sha256)
+    _require_prenorm(src)
+    return _write_chunk(src, Path(run_dir), Path(out), Path(marker))
+
+
+def _require_prenorm(src: CheckedChunk) -> None:
+    if not src.reader.prenorm:
+        raise ExportError(
+            f"chunk {src.name} ({src.path}) has no pre-norm final state: speculators' "
+            "hidden_states end with the last layer's output before the final norm. Set "
+            "prenorm_final: true and run extract_all (a new run dir), then export that run"
+        )
+
+
+def _write_chunk(src: CheckedChunk, run_dir: Path, out: Path, marker: Path) -> dict:
     from safetensors.torch import save_file
 
     from hsextract.chunks import sha256_file
     from hsextract.server import write_json
 
-    reader = ChunkReader(chunk)
-    name = Path(chunk).stem
-    if not reader.prenorm:
-        raise ExportError(
-            f"chunk {name} ({chunk}) has no pre-norm final state: speculators' hidden_states "
-            "end with the last layer's output before the final norm. Set prenorm_final: true "
-            "and run extract_all (a new run dir), then export that run"
-        )
-    indices = record_indices(run_dir, name)
-    if len(indices) != len(reader):
-        raise ExportError(
-            f"chunk {name}: {len(reader)} records in {chunk}, {len(indices)} in the index; "
-            "rerun extract_all"
-        )
-    hs_dir = Path(out) / "hidden_states"
+    claim_dir(out, FORMAT, str(src.sidecar.get("fingerprint")), run_dir, READS)
+    # The export no longer matches what export.json says it checked.
+    (out / SUMMARY_FILE).unlink(missing_ok=True)
+    reader, name = src.reader, src.name
+    hs_dir = out / "hidden_states"
     hs_dir.mkdir(parents=True, exist_ok=True)
     h, k = reader.hidden_size, len(reader.aux_layers)
     files = []
-    for j, idx in enumerate(indices):
+    for j, idx in enumerate(src.indices):
         rec = reader[j]
         t = rec["input_ids"].shape[0]
         layers = rec["aux_hidden_states"].reshape(t, k, h)
         states = torch.cat([layers, rec["prenorm_hidden_states"].reshape(t, 1, h)], dim=1)
         path = hs_path(out, idx)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        save_file(
-            {"token_ids": rec["input_ids"].to(torch.int64), "hidden_states": states.contiguous()},
-            str(tmp),
-            # One key: safetensors writes a metadata map in hash order, which differs per
-            # process, and a rerun must give the same bytes.
-            metadata={"hsextract": json.dumps({"record_id": str(rec["id"]), "chunk": name})},
-        )
-        os.replace(tmp, path)
+        tensors = {"token_ids": rec["input_ids"].to(torch.int64), "hidden_states": states}
+        try:
+            save_file(
+                {key: v.contiguous() for key, v in tensors.items()},
+                str(tmp),
+                # One key: safetensors writes a metadata map in hash order, which differs
+                # per process, and a rerun must give the same bytes.
+                metadata={"hsextract": json.dumps({"record_id": str(rec["id"]), "chunk": name})},
+            )
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         files.append({"idx": idx, "id": rec["id"], "sha256": sha256_file(path)})
-    done = {"chunk": name, "source_sha256": sha256_file(chunk), "files": files}
-    write_json(Path(marker), done)
+    done = {
+        "chunk": name,
+        "source_sha256": src.sha256,
+        "content_digest": src.content_digest,
+        "files": files,
+    }
+    write_json(marker, done)
     return done
 
 
@@ -141,11 +189,14 @@ def default_out(run_dir: str | os.PathLike[str]) -> Path:
     return Path(run_dir) / "export" / "speculators"
 
 
-def export_dataset(train: Path, out: Path, marker: Path) -> dict:
-    """:func:`write_dataset`, then ``marker`` (rows, train.jsonl's sha256)."""
+def export_dataset(train: Path, out: Path, marker: Path, fingerprint: str) -> dict:
+    """:func:`write_dataset` into ``out`` (claimed for the run ``train`` belongs to), then
+    ``marker`` (rows, train.jsonl's sha256)."""
     from hsextract.chunks import sha256_file
     from hsextract.server import write_json
 
+    claim_dir(out, FORMAT, fingerprint, Path(train).parent.parent, READS)
+    (out / SUMMARY_FILE).unlink(missing_ok=True)
     done = {"rows": write_dataset(train, out), "train_sha256": sha256_file(train)}
     write_json(Path(marker), done)
     return done
@@ -153,8 +204,9 @@ def export_dataset(train: Path, out: Path, marker: Path) -> dict:
 
 def finish_export(manifest: Path, out: Path) -> dict:
     """Check every chunk's marker against the manifest and the dataset against
-    train.jsonl, remove ``hs_*`` files no chunk wrote (a shorter train.jsonl), and write
-    ``export.json``.  A stale or missing piece fails naming it, never passes as done."""
+    train.jsonl, remove ``hs_*`` files no chunk wrote (a shorter train.jsonl) and killed
+    writers' temporary files, and write ``export.json``.  A stale or missing piece fails
+    naming it, never passes as done; no file of another name is touched."""
     from hsextract.chunks import sha256_file
     from hsextract.server import write_json
 
@@ -162,6 +214,7 @@ def finish_export(manifest: Path, out: Path) -> dict:
     man = read_json(manifest, "export", "run `snakemake -j1 extract_all` first")
     run_dir = manifest.parent
     redo = f"rerun `hsextract export speculators --manifest {manifest} --out {out}`"
+    claim_dir(out, FORMAT, str(man.get("fingerprint")), run_dir, READS)
     listed: set[str] = set()
     for c in man["chunks"]:
         m = read_json(out / "done" / f"{c['chunk']}.json", c["chunk"], redo)
@@ -184,7 +237,7 @@ def finish_export(manifest: Path, out: Path) -> dict:
         raise ExportError(f"{out}: the dataset was written from another train.jsonl; {redo}")
     removed = []
     for p in (out / "hidden_states").iterdir():
-        if (_HS_RE.match(p.name) and p.name not in listed) or p.name.endswith(".tmp"):
+        if (_HS_RE.match(p.name) and p.name not in listed) or _HS_TEMP_RE.match(p.name):
             p.unlink()
             removed.append(p.name)
     first = ChunkReader(run_dir / man["chunks"][0]["path"]) if man["chunks"] else None
@@ -202,7 +255,7 @@ def finish_export(manifest: Path, out: Path) -> dict:
             "--speculator-type eagle3"
         ),
     }
-    write_json(out / "export.json", summary)
+    write_json(out / SUMMARY_FILE, summary)
     summary["removed"] = removed
     return summary
 
@@ -215,11 +268,16 @@ def export_run(manifest: str | os.PathLike[str], out: str | os.PathLike[str] | N
     man = read_json(manifest, "export", "run `snakemake -j1 extract_all` first")
     run_dir = manifest.parent
     out = Path(out) if out is not None else default_out(run_dir)
-    export_dataset(run_dir / "merged" / "train.jsonl", out, out / "done" / "dataset.json")
+    fp = str(man.get("fingerprint"))
+    claim_dir(out, FORMAT, fp, run_dir, READS)
+    check_chunks(run_dir, man, _require_prenorm)
+    export_dataset(run_dir / "merged" / "train.jsonl", out, out / "done" / "dataset.json", fp)
     for c in tqdm(
         man["chunks"], unit="chunk", desc="export speculators", disable=not sys.stderr.isatty()
     ):
-        export_chunk(run_dir / c["path"], run_dir, out, out / "done" / f"{c['chunk']}.json")
+        export_chunk(
+            run_dir / c["path"], run_dir, out, out / "done" / f"{c['chunk']}.json", c["sha256"]
+        )
     return {**finish_export(manifest, out), "out": str(out)}
 
 
@@ -249,7 +307,10 @@ def _cli(args: argparse.Namespace) -> int:
 
 
 def step_dataset(sm: Any) -> None:
-    export_dataset(Path(sm.input.train), Path(sm.output.done).parent.parent, Path(sm.output.done))
+    from hsextract.config import fingerprint
+
+    out = Path(sm.output.done).parent.parent
+    export_dataset(Path(sm.input.train), out, Path(sm.output.done), fingerprint(sm.config))
 
 
 def step_chunk(sm: Any) -> None:
