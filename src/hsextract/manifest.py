@@ -10,7 +10,6 @@ digest of the lines of train.jsonl the index points at.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -39,14 +38,6 @@ def _redo(path: Path) -> str:
     return f"delete it and rerun `snakemake -j1 {path}` (or extract_all)"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
-
-
 def build_manifest(sidecars: list[Path], *, stats: Path, index: Path, out: Path, cfg: dict) -> dict:
     """Cross-check each chunk against its sidecar, the index and train.jsonl; list them.
 
@@ -58,7 +49,7 @@ def build_manifest(sidecars: list[Path], *, stats: Path, index: Path, out: Path,
     idx = read_index(index)
     entries = {Path(e["path"]).stem: e for e in idx["chunks"]}
     train = Path(index).parent.parent / "merged" / idx["source"]
-    if _sha256(train) != idx["source_sha256"]:
+    if sha256_file(train) != idx["source_sha256"]:
         raise ManifestError(
             f"{train} changed after split_chunks ({index} was made from another version); "
             "rerun `snakemake -j1 extract_all` (the split reruns, changed chunks re-extract)"
@@ -194,7 +185,7 @@ def verify_manifest(path: Path) -> list[str]:
     if not train.exists():
         problems.append(f"{train}: missing")
         want: dict[str, str] = {}
-    elif _sha256(train) != idx["source_sha256"]:
+    elif sha256_file(train) != idx["source_sha256"]:
         problems.append(f"{train}: changed after split_chunks ({index_path} is of another)")
         want = {}
     else:
