@@ -14,13 +14,20 @@ from typing import Any
 
 import pytest
 import torch
-from fixtures_sglang import StandInModel, StandInModel14, exec_defs, load_file_module
+from fixtures_sglang import (
+    StandInModel14,
+    exec_defs,
+    harness,
+    load_file_module,
+    stand_in_model,
+)
 from safetensors import safe_open
 from torch import nn
 
 from hsextract.capture import get_writer
 from hsextract.sglang import hooks as hooks_mod
 from hsextract.sglang.hooks import HOOK_FACTORY_PATH, HOOK_TARGET_MODULE, forward_hooks_spec
+from hsextract.sglang.patching import ensure_pinned_source
 
 H, L = 8, 8
 DEFAULT_LAYERS = [2, 4, 5]
@@ -42,9 +49,7 @@ class Outer(nn.Module):
 
 
 @pytest.fixture
-def server(
-    sglang_pkg: Path, pristine_forward: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> Any:
+def server(aux_release: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
     """A stand-in server model: pristine forward, SGLang's own EAGLE-3 capture switched on by
     the real ``set_eagle3_layers_to_capture``, our hook registered by the real
     ``register_forward_hooks`` from the JSON we put on the command line."""
@@ -60,7 +65,9 @@ def server(
     rc.get_parallel = lambda: SimpleNamespace(tp_rank=rank[0])  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "sglang.srt.runtime_context", rc)
 
-    inner_cls = type("Inner", (StandInModel,), {"forward": pristine_forward.forward})
+    sglang_pkg = ensure_pinned_source(aux_release) / "sglang"
+    pristine = harness(sglang_pkg, aux_release, patched=False)
+    inner_cls = type("Inner", (stand_in_model(sglang_pkg),), {"forward": pristine.forward})
     outer = Outer(inner_cls(L, H))
     text = (sglang_pkg / "srt/models/deepseek_v2.py").read_text()
     g = exec_defs(text, [("DeepseekV2ForCausalLM", "set_eagle3_layers_to_capture")], {})
@@ -72,7 +79,8 @@ def server(
         rank=rank,
         set_layers=set_layers,
         hm=hm,
-        FM=pristine_forward.ForwardMode,
+        FM=pristine.ForwardMode,
+        pristine=pristine,
     )
 
 
@@ -117,7 +125,7 @@ def _ids(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-def _check(model: StandInModel, full: torch.Tensor, pieces: list, layers: list[int]) -> None:
+def _check(model: StandInModel14, full: torch.Tensor, pieces: list, layers: list[int]) -> None:
     pieces = sorted(pieces, key=lambda p: p[0])
     starts = [s for s, _ in pieces]
     ends = [s + t["input_ids"].shape[0] for s, t in pieces]
@@ -166,7 +174,7 @@ def test_hook_configured_layers(server: Any, monkeypatch: pytest.MonkeyPatch) ->
     _check(server.outer.model, full, _pieces(server.dump)["d"], [0, 3, 6])
 
 
-def test_hook_leaves_output_alone(server: Any, pristine_forward: Any) -> None:
+def test_hook_leaves_output_alone(server: Any) -> None:
     server.set_layers(server.outer, None)
     reqs = [("e", _ids(5, 5), 0, 5)]
     before = _run(server, reqs)
@@ -227,13 +235,14 @@ def test_hook_spec_shape() -> None:
     }
 
 
-# --- 0.5.14: hooks on the input norms, registered by 0.5.14's hook manager --------------
+# --- hooks on the input norms (0.5.14 - 0.5.22), registered by each release's hook manager --
 
 
 @pytest.fixture
-def server14(pkg14: Path, pristine_forward14: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    """0.5.14's pristine forward on StandInModel14 inside an Outer, no dump env at all: the
-    hooks' own config names the dump dir (a patched install must not dump twice)."""
+def server14(norm_release: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """The release's pristine forward on its layout's stand-in inside an Outer, no dump env
+    at all: the hooks' own config names the dump dir (a patched install must not dump
+    twice)."""
     dump = tmp_path / "dump"
     dump.mkdir(mode=0o700)
     monkeypatch.delenv("SGLANG_HS_DUMP_DIR", raising=False)
@@ -244,12 +253,12 @@ def server14(pkg14: Path, pristine_forward14: Any, monkeypatch: pytest.MonkeyPat
     rc = ModuleType("sglang.srt.runtime_context")
     rc.get_parallel = lambda: SimpleNamespace(tp_rank=rank[0])  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "sglang.srt.runtime_context", rc)
-    inner_cls = type("Inner14", (StandInModel14,), {"forward": pristine_forward14.forward})
+    pkg = ensure_pinned_source(norm_release) / "sglang"
+    pristine = harness(pkg, norm_release, patched=False)
+    inner_cls = type("InnerNorm", (stand_in_model(pkg),), {"forward": pristine.forward})
     outer = Outer(inner_cls(L, H))
-    hm = load_file_module(pkg14 / "srt/model_executor/hook_manager.py", "_pinned_hook_manager14")
-    return SimpleNamespace(
-        outer=outer, dump=dump, rank=rank, hm=hm, FM=pristine_forward14.ForwardMode
-    )
+    hm = load_file_module(pkg / "srt/model_executor/hook_manager.py", f"_hm_{norm_release}")
+    return SimpleNamespace(outer=outer, dump=dump, rank=rank, hm=hm, FM=pristine.ForwardMode)
 
 
 def _register14(server: Any, layers: list[int]) -> None:

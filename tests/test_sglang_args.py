@@ -200,9 +200,9 @@ def test_build_launch_emits_only_declared_flags(
 
 
 def test_an_unsupported_release_is_refused_naming_the_known() -> None:
-    with pytest.raises(
-        ConfigError, match=r"SGLang 0\.5\.9 is not supported: known 0\.5\.14, 0\.5\.23"
-    ):
+    known = ", ".join(versions.known())
+    assert known.startswith("0.5.14, 0.5.15.post1, 0.5.16") and known.endswith("0.5.22, 0.5.23")
+    with pytest.raises(ConfigError, match=rf"SGLang 0\.5\.9 is not supported: known {known}"):
         build_launch(_prod("0.5.9"), dump_dir="/d", port=1)
 
 
@@ -341,20 +341,32 @@ def _declared_align_sizes(pkg: Path) -> dict[str, tuple[str, int]]:
     return {b: (env, int(n)) for b, env, n in found}
 
 
-def test_deterministic_alignment_declared_as_each_release_has_it(pkg14: Path, sglang_pkg: Path):
-    for version, pkg in (("0.5.14", pkg14), ("0.5.23", sglang_pkg)):
-        declared = {b: (e, n) for b, e, n in versions.get(version).deterministic_align}
-        assert declared == _declared_align_sizes(pkg), version
-    # 0.5.14 leaves a record longer than a chunk below the alignment unscheduled, silently.
-    policy = (pkg14 / "srt/managers/schedule_policy.py").read_text()
-    assert re.search(r"if trunc_len < truncation_align_size:\s*return AddReqResult.OTHER", policy)
-    assert (
-        "check_truncation_align_fits_chunk" not in (pkg14 / "srt/managers/scheduler.py").read_text()
-    )
-    # 0.5.23 refuses to start instead, and its triton backend no longer aligns.
-    assert (
-        "def check_truncation_align_fits_chunk"
-        in (sglang_pkg / "srt/managers/scheduler.py").read_text()
+def test_deterministic_alignment_declared_as_each_release_has_it(
+    release: str, release_pkg: Path
+) -> None:
+    rel = versions.get(release)
+    declared = {b: (e, n) for b, e, n in rel.deterministic_align}
+    assert declared == _declared_align_sizes(release_pkg)
+    scheduler = (release_pkg / "srt/managers/scheduler.py").read_text()
+    body = scheduler[scheduler.index("def init_deterministic_inference_config") :][:3000]
+    # Which option names the backend it aligns for: --attention-backend up to 0.5.17, the
+    # prefill backend (falling back to --attention-backend) from 0.5.18.
+    if "prefill_backend, _ = attention_backends()" in body:
+        assert rel.prefill_backend_args == ("--prefill-attention-backend", "--attention-backend")
+    else:
+        assert "self.server_args.attention_backend, (None, None)" in body
+        assert rel.prefill_backend_args == ("--attention-backend",)
+    if "def check_truncation_align_fits_chunk" in scheduler:
+        return  # 0.5.22 on: refuses to start with a smaller chunk
+    # Before: a record longer than a chunk below the alignment is left unscheduled, silently
+    # (0.5.20 rounds the chunk down to the alignment, to 0, and returns OTHER the same).
+    policy = (release_pkg / "srt/managers/schedule_policy.py").read_text()
+    assert re.search(
+        r"if trunc_len < truncation_align_size:\s*return AddReqResult.OTHER", policy
+    ) or re.search(
+        r"extend_len // truncation_align_size \* truncation_align_size\s*\)[^@]{0,300}?"
+        r"if extend_len <= 0:\s*return AddReqResult.OTHER",
+        policy,
     )
 
 
@@ -377,6 +389,10 @@ DET = ["--enable-deterministic-inference"]
         ),
         ("0.5.14", [*DET, "--attention-backend", "fa3"], 64, {}, False),
         ("0.5.14", ["--attention-backend", "triton"], 64, {}, False),
+        ("0.5.17", [*DET, "--prefill-attention-backend", "triton"], 64, {}, False),
+        ("0.5.18", [*DET, "--prefill-attention-backend", "triton"], 64, {}, True),
+        ("0.5.21", [*DET, "--attention-backend", "triton"], 64, {}, True),
+        ("0.5.22", [*DET, "--attention-backend", "triton"], 64, {}, False),
         ("0.5.23", [*DET, "--attention-backend", "triton"], 64, {}, False),
         ("0.5.23", [*DET, "--prefill-attention-backend", "flashinfer"], 64, {}, True),
     ],
@@ -397,9 +413,25 @@ def test_deterministic_inference_with_a_chunk_below_its_alignment_is_refused(
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float"])
-def test_float32_is_refused_for_the_release_that_cannot_serve_it(dtype: str) -> None:
-    cfg = _prod("0.5.14", **{"model.dtype": dtype})
-    with pytest.raises(ConfigError, match=r"no float32 kernel.*Use bfloat16"):
-        validate_sglang_config(cfg, versions.get("0.5.14"))
-    # 0.5.23 was never run live: nothing known to refuse it for.
-    validate_sglang_config(_prod("0.5.23", **{"model.dtype": dtype}), versions.get("0.5.23"))
+def test_float32_is_refused_for_the_releases_that_cannot_serve_it(dtype: str) -> None:
+    # The releases pinning sglang-kernel 0.4.4, whose rmsnorm failed live on float32.
+    refused = [v for v, rel in versions.known().items() if rel.sglang_kernel == "0.4.4"]
+    assert refused == ["0.5.14", "0.5.15.post1"]
+    for version in versions.known():
+        cfg = _prod(version, **{"model.dtype": dtype})
+        if version in refused:
+            with pytest.raises(ConfigError, match=r"no float32 kernel.*Use bfloat16"):
+                validate_sglang_config(cfg, versions.get(version))
+        else:  # never run live: nothing known to refuse it for
+            validate_sglang_config(cfg, versions.get(version))
+
+
+def test_declared_pins_are_the_wheels(release: str, release_pkg: Path) -> None:
+    """torch and sglang-kernel as the release's own METADATA pins them (h200/build.sh and
+    the README's live/source-checked split read the declaration)."""
+    (meta,) = release_pkg.parent.glob(f"sglang-{release}.dist-info/METADATA")
+    pins = dict(
+        re.findall(r"^Requires-Dist: (torch|sglang-kernel)==([^\s;]+)$", meta.read_text(), re.M)
+    )
+    rel = versions.get(release)
+    assert pins == {"torch": rel.torch, "sglang-kernel": rel.sglang_kernel}
