@@ -15,6 +15,7 @@ import __future__
 
 import ast
 import importlib.util
+import shutil
 import textwrap
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -29,7 +30,12 @@ import torch
 from torch import nn
 
 from hsextract.sglang import versions
-from hsextract.sglang.patching import apply_unified_diff, ensure_pinned_source, load_spec
+from hsextract.sglang.patching import (
+    apply_unified_diff,
+    ensure_pinned_source,
+    installed_version,
+    load_spec,
+)
 
 DSV2 = "srt/models/deepseek_v2.py"
 RELEASES = list(versions.known())
@@ -79,6 +85,16 @@ def sglang_pkg(sglang_src: Path) -> Path:
 def pkg14() -> Path:
     """The 0.5.14 ``sglang`` package dir (read only)."""
     return ensure_pinned_source("0.5.14") / "sglang"
+
+
+def fake_release(src_pkg: Path, tmp_path: Path, version: str = "0.5.24") -> Path:
+    """A copy of a real release's extracted source that calls itself ``version`` (a
+    release hsextract has no declaration for)."""
+    pkg = tmp_path / "site-packages" / "sglang"
+    shutil.copytree(src_pkg, pkg)
+    v = pkg / "_version.py"
+    v.write_text(v.read_text().replace(installed_version(pkg), version))
+    return pkg
 
 
 def _node(tree: ast.Module, *path: str) -> ast.AST:

@@ -8,6 +8,7 @@ import ast
 import json
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 from fixtures_sglang import (
     StandInModel14,
     exec_defs,
+    fake_release,
     harness,
     load_file_module,
     stand_in_model,
@@ -25,12 +27,18 @@ from safetensors import safe_open
 from torch import nn
 
 from hsextract.capture import get_writer
+from hsextract.config import load_config
+from hsextract.errors import ConfigError
+from hsextract.sglang import compat, versions
 from hsextract.sglang import hooks as hooks_mod
+from hsextract.sglang.flags import check_argv, declared_flags
 from hsextract.sglang.hooks import HOOK_FACTORY_PATH, HOOK_TARGET_MODULE, forward_hooks_spec
+from hsextract.sglang.launch import build_launch
 from hsextract.sglang.patching import ensure_pinned_source
 
 H, L = 8, 8
 DEFAULT_LAYERS = [2, 4, 5]
+PROD = Path(__file__).resolve().parents[1] / "configs" / "deepseek-v3-8xh200.yaml"
 
 
 class Outer(nn.Module):
@@ -463,3 +471,63 @@ def test_sglang_0514_names_we_read_exist(pkg14: Path) -> None:
     assert "hook_factory(config)" in hm and "module.register_forward_hook(hook)" in hm
     mr = _src(pkg14, "srt/model_executor/model_runner.py")
     assert "Register forward hooks AFTER cuda-graph capture" in mr
+
+
+# --- every release's source against its design; releases with no declaration ----------
+
+
+def test_each_release_source_has_what_its_design_needs(release: str, release_pkg: Path) -> None:
+    """The hooks attach to that release's real classes and call protocol, and every
+    option of the command is declared there (compat.check, also what an undeclared
+    release is held to)."""
+    checks = compat.check(release_pkg, versions.get(release))
+    assert len(checks) >= 30
+    assert [str(c) for c in checks if not c.ok] == []
+
+
+def test_reading_a_release_source_rebuilds_its_declaration(release: str, release_pkg: Path) -> None:
+    """What infer() reads from a source (options layout, alignment, backend options,
+    headroom, pins, design) is what each hand-written declaration says."""
+    got = compat.infer(release_pkg, release)
+    assert replace(got, notes=()) == replace(versions.get(release), notes=())
+
+
+def test_an_undeclared_release_matching_a_design_runs_hooks(tmp_path: Path) -> None:
+    newest = ensure_pinned_source("0.5.23") / "sglang"
+    pkg = fake_release(newest, tmp_path)
+    rel = compat.infer(pkg)
+    assert rel.version == "0.5.24" and rel.hooks == "aux_capture"
+    assert rel.args_classes == "_NS_PATH" and "0.5.23" in rel.notes[0]
+    # The command built for it passes the flag check against its own source.
+    cfg = load_config(PROD)
+    cfg.update(capture="hooks", aux_layers=[2, 30, 58])
+    argv, _ = build_launch(cfg, dump_dir="/dev/shm/hs", port=31000, rel=rel)
+    assert "--enable-return-aux-hidden-states" in check_argv(
+        argv, declared_flags(pkg, rel), "0.5.24"
+    )
+
+
+def test_an_undeclared_release_falls_back_to_the_design_its_layers_fit(tmp_path: Path) -> None:
+    """0.5.22's source under a new name: no aux-hidden-state option, so not 0.5.23's design,
+    but its input norms fit the layernorm hooks."""
+    pkg = fake_release(ensure_pinned_source("0.5.22") / "sglang", tmp_path)
+    rel = compat.infer(pkg)
+    assert rel.hooks == "layernorm"
+    assert rel.hooks_tp_args == ("--enforce-disable-flashinfer-allreduce-fusion",)
+    assert rel.deterministic_align == versions.get("0.5.22").deterministic_align
+
+
+def test_an_undeclared_release_that_differs_is_refused_naming_what(tmp_path: Path) -> None:
+    pkg = fake_release(ensure_pinned_source("0.5.23") / "sglang", tmp_path)
+    fields = pkg / "srt/arg_groups/fields"
+    (hit,) = [
+        p for p in fields.glob("*.py") if re.search(r"^\s+forward_hooks:", p.read_text(), re.M)
+    ]
+    hit.write_text(
+        re.sub(r"^(\s+)forward_hooks:", r"\1forward_hook_specs:", hit.read_text(), flags=re.M)
+    )
+    with pytest.raises(ConfigError) as e:
+        compat.infer(pkg)
+    msg = str(e.value)
+    assert "SGLang 0.5.24 has no declaration" in msg and "nearest supported release, 0.5.23" in msg
+    assert "option --forward-hooks" in msg and "option --model-path" not in msg

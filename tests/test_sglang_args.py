@@ -11,10 +11,12 @@ from typing import Any
 
 import pytest
 import yaml
+from fixtures_sglang import fake_release
 
 from hsextract.config import load_config
 from hsextract.errors import ConfigError
 from hsextract.sglang import versions
+from hsextract.sglang.compat import AUX_CAPTURE_OPTIONS, COMMAND_OPTIONS
 from hsextract.sglang.flags import Flag, check_argv, declared_flags
 from hsextract.sglang.launch import (
     CLIENT_MAX_NEW_TOKENS,
@@ -25,6 +27,7 @@ from hsextract.sglang.launch import (
     redact_argv,
     validate_sglang_config,
 )
+from hsextract.sglang.patching import ensure_pinned_source
 
 ROOT = Path(__file__).resolve().parents[1]
 PROD = ROOT / "configs" / "deepseek-v3-8xh200.yaml"
@@ -159,6 +162,9 @@ def test_build_launch_emits_only_declared_flags(
     argv, env = build_launch(cfg, dump_dir="/dev/shm/hs", port=31000)
     assert argv[:3] == ["/opt/sglang-0.5.23/bin/python", "-m", "sglang.launch_server"]
     seen = check_argv(argv, flags, release)
+    rel = versions.get(release)
+    # compat.check holds an undeclared release to the same options.
+    assert set(seen) <= {*COMMAND_OPTIONS, *AUX_CAPTURE_OPTIONS, *rel.hooks_tp_args}
     for needed in (
         "--cuda-graph-backend-decode", "--cuda-graph-backend-prefill", "--disable-radix-cache",
         "--tp-size", "--host", "--port", "--context-length", "--model-path",
@@ -217,6 +223,24 @@ def test_the_installed_release_is_detected_from_the_env(tmp_path: Path) -> None:
     missing = _prod(**{"sglang.version": None, "sglang.python": str(tmp_path / "nope")})
     with pytest.raises(ConfigError, match="sglang.python"):
         launch.release(missing)
+
+
+def test_an_undeclared_installed_release_is_read_from_its_source(tmp_path: Path) -> None:
+    """sglang.python's env holds 0.5.24 (0.5.23's source renamed): capture: hooks runs on
+    a declaration read from it; capture: patch is refused (no patch), naming the tool."""
+    from hsextract.sglang import launch
+
+    pkg = fake_release(ensure_pinned_source("0.5.23") / "sglang", tmp_path)
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\ncase "$2" in *find_spec*) echo {pkg};; *) echo 0.5.24;; esac\n')
+    fake.chmod(0o755)
+    env = {"sglang.version": None, "sglang.python": str(fake)}
+    rel = launch.release(_prod(**env, capture="hooks"))
+    assert (rel.version, rel.hooks) == ("0.5.24", "aux_capture")
+    with pytest.raises(ConfigError, match=r"0\.5\.24 is not supported.*patches/port\.py 0\.5\.24"):
+        launch.release(_prod(**env, capture="patch"))
+    with pytest.raises(ConfigError, match=r"sglang.version says 0\.5\.25, .* is sglang 0\.5\.24"):
+        launch.release(_prod(**{**env, "sglang.version": "0.5.25"}, capture="hooks"))
 
 
 def test_aux_layers_env_from_model_config(tmp_path: Path) -> None:

@@ -39,8 +39,8 @@ VERSION = SglangVersion(
     hooks_tp_args=("--enforce-disable-flashinfer-allreduce-fusion",),
     context_headroom=7,
     deterministic_align=(
-        ("triton", "SGLANG_TRITON_PREFILL_TRUNCATION_ALIGN_SIZE", 4096),
         ("flashinfer", "SGLANG_FLASHINFER_PREFILL_SPLIT_TILE_SIZE", 4096),
+        ("triton", "SGLANG_TRITON_PREFILL_TRUNCATION_ALIGN_SIZE", 4096),
     ),
     unserved_dtypes=(("float32", FP32_ON_KERNEL_044), ("float", FP32_ON_KERNEL_044)),
     torch="2.11.0",
