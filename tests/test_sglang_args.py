@@ -459,3 +459,15 @@ def test_declared_pins_are_the_wheels(release: str, release_pkg: Path) -> None:
     )
     rel = versions.get(release)
     assert pins == {"torch": rel.torch, "sglang-kernel": rel.sglang_kernel}
+
+
+def test_readme_release_table_is_the_declarations() -> None:
+    """The README's per-release table (live or source-checked, torch, design) says what
+    the declarations say: live only where the torch pin is the H200 image's 2.11.0."""
+    readme = (ROOT / "README.md").read_text()
+    rows = re.findall(r"^\| (0\.5\.[\w.]+) \| ([^|]+) \| ([\d.]+) \| `(\w+)` \|", readme, re.M)
+    assert [r[0] for r in rows] == list(versions.known())
+    for version, live, torch_pin, design in rows:
+        rel = versions.get(version)
+        assert (torch_pin, design) == (rel.torch, rel.hooks), version
+        assert ("source-checked" in live) == (rel.torch != "2.11.0"), version
