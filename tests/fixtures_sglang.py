@@ -4,9 +4,10 @@ The sources are downloaded once (``pip download``) into ``$HSEXTRACT_CACHE`` (de
 ``~/.cache/hsextract``; CI caches that dir).  Nothing here is a copy of SGLang: the
 harnesses pull ``DeepseekV2Model.forward`` (pristine or patched), ``ForwardMode``,
 ``AuxHiddenStatePacker`` and ``register_forward_hooks`` out of the real files and run them
-with small stand-ins for the parts that need GPUs and a distributed runtime.  0.5.23 and
-0.5.14 call their layers differently (see hsextract.sglang.versions), so each has its
-stand-in model; ``release``-parametrised fixtures run a test for every release.
+with small stand-ins for the parts that need GPUs and a distributed runtime.  Releases
+call their layers in one of two layouts (:func:`layout`): the residual passed through the
+layers (0.5.14 - 0.5.20, :class:`StandInModel14`) or kept by ``residual_batch`` (0.5.21 on,
+:class:`StandInModel`); ``release``-parametrised fixtures run a test for every release.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import __future__
 
 import ast
 import importlib.util
+import shutil
 import textwrap
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -28,7 +30,12 @@ import torch
 from torch import nn
 
 from hsextract.sglang import versions
-from hsextract.sglang.patching import apply_unified_diff, ensure_pinned_source, load_spec
+from hsextract.sglang.patching import (
+    apply_unified_diff,
+    ensure_pinned_source,
+    installed_version,
+    load_spec,
+)
 
 DSV2 = "srt/models/deepseek_v2.py"
 RELEASES = list(versions.known())
@@ -37,6 +44,22 @@ RELEASES = list(versions.known())
 @pytest.fixture(scope="session", params=RELEASES)
 def release(request: pytest.FixtureRequest) -> str:
     """Each supported SGLang release in turn."""
+    return request.param
+
+
+@pytest.fixture(
+    scope="session", params=[v for v, r in versions.known().items() if r.hooks == "layernorm"]
+)
+def norm_release(request: pytest.FixtureRequest) -> str:
+    """Each release whose ``capture: hooks`` hooks the input norms."""
+    return request.param
+
+
+@pytest.fixture(
+    scope="session", params=[v for v, r in versions.known().items() if r.hooks == "aux_capture"]
+)
+def aux_release(request: pytest.FixtureRequest) -> str:
+    """Each release whose ``capture: hooks`` uses SGLang's own aux capture."""
     return request.param
 
 
@@ -62,6 +85,16 @@ def sglang_pkg(sglang_src: Path) -> Path:
 def pkg14() -> Path:
     """The 0.5.14 ``sglang`` package dir (read only)."""
     return ensure_pinned_source("0.5.14") / "sglang"
+
+
+def fake_release(src_pkg: Path, tmp_path: Path, version: str = "0.5.24") -> Path:
+    """A copy of a real release's extracted source that calls itself ``version`` (a
+    release hsextract has no declaration for)."""
+    pkg = tmp_path / "site-packages" / "sglang"
+    shutil.copytree(src_pkg, pkg)
+    v = pkg / "_version.py"
+    v.write_text(v.read_text().replace(installed_version(pkg), version))
+    return pkg
 
 
 def _node(tree: ast.Module, *path: str) -> ast.AST:
@@ -111,85 +144,18 @@ class Harness:
     tp_rank: list[int] = field(default_factory=lambda: [0])
 
 
-class StandInLayer:
-    """Shaped like DeepseekV2DecoderLayer.__call__: captures the stream entering the layer
-    through ``captured_last_layer_outputs`` and then updates that buffer *in place*, as
-    SGLang's reused residual buffers do (so a collector that does not copy would be wrong)."""
-
-    def __init__(self, layer_id: int, hidden: int) -> None:
-        g = torch.Generator().manual_seed(100 + layer_id)
-        self.w = torch.randn(hidden, hidden, generator=g) / hidden**0.5
-
-    def __call__(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        forward_batch: Any,
-        zero_allocator: Any,
-        gemm_output_zero_allocator: Any = None,
-        llama_4_scaling: Any = None,
-        prev_topk_indices: Any = None,
-        captured_last_layer_outputs: Any = None,
-        next_full_attention_layer_id: Any = None,
-    ) -> tuple[torch.Tensor, None]:
-        if captured_last_layer_outputs is not None:
-            captured_last_layer_outputs.capture(hidden_states)  # borrowed, like SGLang's
-        hidden_states += torch.tanh(hidden_states @ self.w) + 0.01 * positions[:, None]
-        return hidden_states, None
-
-
-class _PlainNorm(nn.Module):
-    def __init__(self, w: torch.Tensor) -> None:
-        super().__init__()
-        self.w = w
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
-
-
-class StandInModel(nn.Module):
-    """The attributes DeepseekV2Model.forward reads, on a few tiny layers."""
-
-    def __init__(self, num_layers: int = 8, hidden: int = 8, vocab: int = 64) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.embed = torch.randn(vocab, hidden, generator=g)
-        self.norm = _PlainNorm(torch.rand(hidden, generator=g) + 0.5)  # a module: hookable
-        self.config = SimpleNamespace(num_hidden_layers=num_layers)
-        self.start_layer, self.end_layer = 0, num_layers
-        self.layers = [StandInLayer(i, hidden) for i in range(num_layers)]
-        self.layers_to_capture: list[int] = []
-        self.next_full_attention_layer_id: dict[int, int] = {}
-        self.pp_group = SimpleNamespace(is_first_rank=True, is_last_rank=True)
-        self.use_dsa = False
-        self.first_k_dense_replace = 1
-        self.gemm_output_zero_allocator_size = 0
-        self.llama_4_scaling_config = None
-
-    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.embed[ids].clone()
-
-    def _dsa_forward_uses_topk(self) -> bool:
-        return False
-
-    def reference(self, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Plain per-request computation: final post-norm state and the stream entering
-        every layer, for one whole request starting at position 0."""
-        h = self.embed_tokens(ids)
-        pos = torch.arange(ids.shape[0])
-        entering = []
-        for layer in self.layers:
-            entering.append(h.clone())
-            h, _ = layer(pos, h, None, None)
-        entering.append(h.clone())  # [L]: the stream before the final norm
-        return self.norm(h), entering
+def _stream(forward_batch: Any) -> Any:
+    return forward_batch.residual_stream
 
 
 def _final_norm(h: Any, fb: Any, norm: Any, capture: Any = None) -> Any:
-    """residual_batch.final_norm without a residual: access.final_norm_pair's path."""
+    """residual_batch.final_norm (0.5.22 on; ``norm(..., capture_output=)`` in 0.5.21): the
+    fused add + norm of the last layer's output into the stream, the updated stream handed
+    to ``capture`` borrowed."""
+    h, residual = norm(h, _stream(fb).residual)
     if capture is not None:
-        capture(h)
-    return norm(h)
+        capture(residual)
+    return h
 
 
 def _stand_in_globals(pkg: Path, tp_rank: list[int]) -> dict[str, Any]:
@@ -206,9 +172,10 @@ def _stand_in_globals(pkg: Path, tp_rank: list[int]) -> dict[str, Any]:
             self.topk_indices = topk
 
     residual_batch = SimpleNamespace(
-        start=lambda fb: None,
+        start=lambda fb: setattr(fb, "residual_stream", SimpleNamespace(residual=None)),
         complete_output=lambda h, fb: h,
         final_norm=_final_norm,
+        norm=lambda h, fb, norm, capture_output=None: _final_norm(h, fb, norm, capture_output),
         to_pp=not_expected,
     )
     recorder = SimpleNamespace(with_current_layer=lambda i: nullcontext())
@@ -241,37 +208,45 @@ def _forward_mode(pkg: Path) -> type:
     return g["ForwardMode"]
 
 
-def _harness(pkg: Path, patched: bool) -> Harness:
+def layout(pkg: Path) -> str:
+    """``residual`` when the release's decoder layers take and return the residual
+    (0.5.14 - 0.5.20), ``stream`` when ``residual_batch`` keeps it (0.5.21 on)."""
+    tree = ast.parse((pkg / DSV2).read_text())
+    fwd = _node(tree, "DeepseekV2DecoderLayer", "forward")
+    return "residual" if "residual" in [a.arg for a in fwd.args.args] else "stream"  # type: ignore[attr-defined]
+
+
+def harness(pkg: Path, release: str, patched: bool) -> Harness:
+    """SGLang's DeepseekV2Model.forward of ``release`` (pristine or patched), on stand-ins."""
     text = (pkg / DSV2).read_text()
     defs: list[tuple[str, ...]] = [("DeepseekV2Model", "forward")]
-    if patched:
-        text = apply_unified_diff(text, load_spec("0.5.23").diff.read_text())
-        defs += [("_hs_dump_begin",), ("_hs_dump_collector",), ("_hs_dump_write",)]
-        defs += [("_hs_dump_prenorm_capture",)]
     tp_rank = [0]
-    globs = exec_defs(text, defs, _stand_in_globals(pkg, tp_rank))
+    stream = layout(pkg) == "stream"
+    if patched:
+        text = apply_unified_diff(text, load_spec(release).diff.read_text())
+        defs += [("_hs_dump_begin",), ("_hs_dump_collector",), ("_hs_dump_write",)]
+        defs += [("_hs_dump_prenorm_capture",) if stream else ("_hs_dump_prenorm",)]
+    base = _stand_in_globals(pkg, tp_rank) if stream else _stand_in_globals_14(pkg, tp_rank)
+    globs = exec_defs(text, defs, base)
     return Harness(globs["forward"], _forward_mode(pkg), globs, tp_rank)
 
 
-@pytest.fixture(scope="session")
-def patched_forward(sglang_pkg: Path) -> Harness:
-    """The patched ``DeepseekV2Model.forward``, executable on a StandInModel."""
-    return _harness(sglang_pkg, patched=True)
+def stand_in_model(pkg: Path) -> type:
+    """The stand-in model class for the release's layout."""
+    return StandInModel if layout(pkg) == "stream" else StandInModel14
 
 
 @pytest.fixture(scope="session")
-def pristine_forward(sglang_pkg: Path) -> Harness:
-    """The unmodified ``DeepseekV2Model.forward``, the baseline for 'nothing changes'."""
-    return _harness(sglang_pkg, patched=False)
+def release_forwards(release: str, release_pkg: Path) -> SimpleNamespace:
+    """The release's patched and pristine forward and its stand-in model class."""
+    return SimpleNamespace(
+        patched=harness(release_pkg, release, patched=True),
+        pristine=harness(release_pkg, release, patched=False),
+        Model=stand_in_model(release_pkg),
+    )
 
 
-@pytest.fixture(scope="session")
-def forward_mode(sglang_pkg: Path) -> type:
-    """SGLang's real ``ForwardMode`` enum (is_extend, is_target_verify, ...)."""
-    return _forward_mode(sglang_pkg)
-
-
-# --- 0.5.14 -----------------------------------------------------------------------------
+# --- the norms and layers of both layouts ------------------------------------------------
 
 
 class StandInRMSNorm(nn.Module):
@@ -296,9 +271,10 @@ class StandInRMSNorm(nn.Module):
 
 
 class StandInLayer14(nn.Module):
-    """Shaped like 0.5.14's DeepseekV2DecoderLayer: the residual comes in and goes out, the
-    input norm is a module called as the communicator calls it, and SGLang's aux capture
-    appends (a copy of) the stream entering the layer to the list it is given."""
+    """Shaped like DeepseekV2DecoderLayer of 0.5.14 - 0.5.20: the residual comes in and goes
+    out, the input norm is a module called as the communicator calls it, and SGLang's aux
+    capture appends (a copy of) the stream entering the layer to what it is given (a list,
+    or 0.5.17's packer)."""
 
     def __init__(self, layer_id: int, hidden: int) -> None:
         super().__init__()
@@ -317,6 +293,7 @@ class StandInLayer14(nn.Module):
         llama_4_scaling: Any = None,
         prev_topk_indices: Any = None,
         captured_last_layer_outputs: Any = None,
+        next_full_attention_layer_id: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor, None]:
         if residual is None:
             residual = hidden_states
@@ -330,8 +307,8 @@ class StandInLayer14(nn.Module):
 
 
 class StandInModel14(nn.Module):
-    """The attributes 0.5.14's DeepseekV2Model.forward reads, on a few tiny layers; real
-    submodules (``layers.N.input_layernorm``, ``norm``) for the forward hooks."""
+    """The attributes DeepseekV2Model.forward of 0.5.14 - 0.5.20 reads, on a few tiny
+    layers; real submodules (``layers.N.input_layernorm``, ``norm``) for the forward hooks."""
 
     def __init__(self, num_layers: int = 8, hidden: int = 8, vocab: int = 64) -> None:
         super().__init__()
@@ -344,6 +321,7 @@ class StandInModel14(nn.Module):
         self.start_layer, self.end_layer = 0, num_layers
         self.layers = nn.ModuleList(StandInLayer14(i, hidden) for i in range(num_layers))
         self.layers_to_capture: list[int] = []
+        self.next_full_attention_layer_id: dict[int, int] = {}
         self.pp_group = SimpleNamespace(is_first_rank=True, is_last_rank=True)
         self.use_dsa = False
         self.dsa_enable_prefill_cp = self.mla_enable_prefill_cp = False
@@ -368,11 +346,20 @@ class StandInModel14(nn.Module):
         return self.norm._norm(h + residual), entering
 
 
-def _stand_in_globals_14(tp_rank: list[int]) -> dict[str, Any]:
+def _stand_in_globals_14(pkg: Path, tp_rank: list[int]) -> dict[str, Any]:
     def not_expected(*a: Any, **k: Any) -> Any:
         raise AssertionError("path not expected in these tests (TBO / PP / context parallel)")
 
     recorder = SimpleNamespace(with_current_layer=lambda i: nullcontext())
+    aux_file = pkg / "srt/layers/aux_hidden_states.py"  # 0.5.17 on: the packer
+
+    class IndexTopKShareState:  # 0.5.18 on
+        def __init__(self, forward_batch: Any, initial: Any) -> None:
+            self.topk_indices = initial
+
+        def update(self, topk: Any) -> None:
+            self.topk_indices = topk
+
     return {
         "torch": torch,
         "nullcontext": nullcontext,
@@ -391,29 +378,70 @@ def _stand_in_globals_14(tp_rank: list[int]) -> dict[str, Any]:
         "dsa_layer_skips_topk": not_expected,
         "get_dsa_index_topk": not_expected,
         "_get_llama_4_scaling": not_expected,
+        "is_cp_v2_active": lambda fb: False,  # 0.5.16 - 0.5.19
+        "IndexTopKShareState": IndexTopKShareState,
+        **(
+            {"AuxHiddenStatePacker": load_file_module(aux_file, "_aux14").AuxHiddenStatePacker}
+            if aux_file.is_file()
+            else {}
+        ),
         "get_parallel": lambda: SimpleNamespace(tp_rank=tp_rank[0]),
     }
 
 
-def _harness14(pkg: Path, patched: bool) -> Harness:
-    text = (pkg / DSV2).read_text()
-    defs: list[tuple[str, ...]] = [("DeepseekV2Model", "forward")]
-    if patched:
-        text = apply_unified_diff(text, load_spec("0.5.14").diff.read_text())
-        defs += [("_hs_dump_begin",), ("_hs_dump_collector",), ("_hs_dump_write",)]
-        defs += [("_hs_dump_prenorm",)]
-    tp_rank = [0]
-    globs = exec_defs(text, defs, _stand_in_globals_14(tp_rank))
-    return Harness(globs["forward"], _forward_mode(pkg), globs, tp_rank)
+class StandInLayer(nn.Module):
+    """Shaped like DeepseekV2DecoderLayer of 0.5.21 on: the residual lives in
+    ``forward_batch.residual_stream``; the input norm is a module called as
+    ``norm(hidden, residual)`` (fused add, in place) or ``norm(hidden)`` on entry, whose
+    residual is the input; SGLang's aux capture gets the updated stream *borrowed*
+    (``capture(residual)``) -- the buffer the next layer's fused add overwrites, so a
+    collector that does not copy would be wrong."""
+
+    def __init__(self, layer_id: int, hidden: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(100 + layer_id)
+        self.w = torch.randn(hidden, hidden, generator=g) / hidden**0.5
+        self.input_layernorm = StandInRMSNorm(hidden, 200 + layer_id)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        forward_batch: Any,
+        zero_allocator: Any = None,
+        gemm_output_zero_allocator: Any = None,
+        llama_4_scaling: Any = None,
+        prev_topk_indices: Any = None,
+        captured_last_layer_outputs: Any = None,
+        next_full_attention_layer_id: Any = None,
+    ) -> tuple[torch.Tensor, None]:
+        stream = _stream(forward_batch)
+        if stream.residual is None:
+            h, stream.residual = self.input_layernorm(hidden_states), hidden_states
+        else:
+            h, stream.residual = self.input_layernorm(hidden_states, stream.residual)
+        if captured_last_layer_outputs is not None:
+            captured_last_layer_outputs.capture(stream.residual)  # borrowed, like SGLang's
+        return torch.tanh(h @ self.w) + 0.01 * positions[:, None], None
 
 
-@pytest.fixture(scope="session")
-def patched_forward14(pkg14: Path) -> Harness:
-    """0.5.14's patched ``DeepseekV2Model.forward``, executable on a StandInModel14."""
-    return _harness14(pkg14, patched=True)
+class StandInModel(StandInModel14):
+    """The attributes DeepseekV2Model.forward of 0.5.21 on reads, on StandInLayers."""
 
+    def __init__(self, num_layers: int = 8, hidden: int = 8, vocab: int = 64) -> None:
+        super().__init__(num_layers, hidden, vocab)
+        self.layers = nn.ModuleList(StandInLayer(i, hidden) for i in range(num_layers))
 
-@pytest.fixture(scope="session")
-def pristine_forward14(pkg14: Path) -> Harness:
-    """0.5.14's unmodified ``DeepseekV2Model.forward``."""
-    return _harness14(pkg14, patched=False)
+    @torch.no_grad()
+    def reference(self, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Plain per-request computation, as :meth:`StandInModel14.reference`."""
+        fb = SimpleNamespace(residual_stream=SimpleNamespace(residual=None))
+        h = self.embed_tokens(ids)
+        pos = torch.arange(ids.shape[0])
+        entering = []
+        for layer in self.layers:
+            r = fb.residual_stream.residual
+            entering.append((h if r is None else h + r).clone())
+            h, _ = layer(pos, h, fb)
+        entering.append((h + fb.residual_stream.residual).clone())  # [L]: before the norm
+        return self.norm._norm(h + fb.residual_stream.residual), entering

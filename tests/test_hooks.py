@@ -8,22 +8,37 @@ import ast
 import json
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-from fixtures_sglang import StandInModel, StandInModel14, exec_defs, load_file_module
+from fixtures_sglang import (
+    StandInModel14,
+    exec_defs,
+    fake_release,
+    harness,
+    load_file_module,
+    stand_in_model,
+)
 from safetensors import safe_open
 from torch import nn
 
 from hsextract.capture import get_writer
+from hsextract.config import load_config
+from hsextract.errors import ConfigError
+from hsextract.sglang import compat, versions
 from hsextract.sglang import hooks as hooks_mod
+from hsextract.sglang.flags import check_argv, declared_flags
 from hsextract.sglang.hooks import HOOK_FACTORY_PATH, HOOK_TARGET_MODULE, forward_hooks_spec
+from hsextract.sglang.launch import build_launch
+from hsextract.sglang.patching import ensure_pinned_source
 
 H, L = 8, 8
 DEFAULT_LAYERS = [2, 4, 5]
+PROD = Path(__file__).resolve().parents[1] / "configs" / "deepseek-v3-8xh200.yaml"
 
 
 class Outer(nn.Module):
@@ -42,9 +57,7 @@ class Outer(nn.Module):
 
 
 @pytest.fixture
-def server(
-    sglang_pkg: Path, pristine_forward: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> Any:
+def server(aux_release: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
     """A stand-in server model: pristine forward, SGLang's own EAGLE-3 capture switched on by
     the real ``set_eagle3_layers_to_capture``, our hook registered by the real
     ``register_forward_hooks`` from the JSON we put on the command line."""
@@ -60,7 +73,9 @@ def server(
     rc.get_parallel = lambda: SimpleNamespace(tp_rank=rank[0])  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "sglang.srt.runtime_context", rc)
 
-    inner_cls = type("Inner", (StandInModel,), {"forward": pristine_forward.forward})
+    sglang_pkg = ensure_pinned_source(aux_release) / "sglang"
+    pristine = harness(sglang_pkg, aux_release, patched=False)
+    inner_cls = type("Inner", (stand_in_model(sglang_pkg),), {"forward": pristine.forward})
     outer = Outer(inner_cls(L, H))
     text = (sglang_pkg / "srt/models/deepseek_v2.py").read_text()
     g = exec_defs(text, [("DeepseekV2ForCausalLM", "set_eagle3_layers_to_capture")], {})
@@ -72,7 +87,8 @@ def server(
         rank=rank,
         set_layers=set_layers,
         hm=hm,
-        FM=pristine_forward.ForwardMode,
+        FM=pristine.ForwardMode,
+        pristine=pristine,
     )
 
 
@@ -117,7 +133,7 @@ def _ids(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-def _check(model: StandInModel, full: torch.Tensor, pieces: list, layers: list[int]) -> None:
+def _check(model: StandInModel14, full: torch.Tensor, pieces: list, layers: list[int]) -> None:
     pieces = sorted(pieces, key=lambda p: p[0])
     starts = [s for s, _ in pieces]
     ends = [s + t["input_ids"].shape[0] for s, t in pieces]
@@ -166,7 +182,7 @@ def test_hook_configured_layers(server: Any, monkeypatch: pytest.MonkeyPatch) ->
     _check(server.outer.model, full, _pieces(server.dump)["d"], [0, 3, 6])
 
 
-def test_hook_leaves_output_alone(server: Any, pristine_forward: Any) -> None:
+def test_hook_leaves_output_alone(server: Any) -> None:
     server.set_layers(server.outer, None)
     reqs = [("e", _ids(5, 5), 0, 5)]
     before = _run(server, reqs)
@@ -227,13 +243,14 @@ def test_hook_spec_shape() -> None:
     }
 
 
-# --- 0.5.14: hooks on the input norms, registered by 0.5.14's hook manager --------------
+# --- hooks on the input norms (0.5.14 - 0.5.22), registered by each release's hook manager --
 
 
 @pytest.fixture
-def server14(pkg14: Path, pristine_forward14: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    """0.5.14's pristine forward on StandInModel14 inside an Outer, no dump env at all: the
-    hooks' own config names the dump dir (a patched install must not dump twice)."""
+def server14(norm_release: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """The release's pristine forward on its layout's stand-in inside an Outer, no dump env
+    at all: the hooks' own config names the dump dir (a patched install must not dump
+    twice)."""
     dump = tmp_path / "dump"
     dump.mkdir(mode=0o700)
     monkeypatch.delenv("SGLANG_HS_DUMP_DIR", raising=False)
@@ -244,12 +261,12 @@ def server14(pkg14: Path, pristine_forward14: Any, monkeypatch: pytest.MonkeyPat
     rc = ModuleType("sglang.srt.runtime_context")
     rc.get_parallel = lambda: SimpleNamespace(tp_rank=rank[0])  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "sglang.srt.runtime_context", rc)
-    inner_cls = type("Inner14", (StandInModel14,), {"forward": pristine_forward14.forward})
+    pkg = ensure_pinned_source(norm_release) / "sglang"
+    pristine = harness(pkg, norm_release, patched=False)
+    inner_cls = type("InnerNorm", (stand_in_model(pkg),), {"forward": pristine.forward})
     outer = Outer(inner_cls(L, H))
-    hm = load_file_module(pkg14 / "srt/model_executor/hook_manager.py", "_pinned_hook_manager14")
-    return SimpleNamespace(
-        outer=outer, dump=dump, rank=rank, hm=hm, FM=pristine_forward14.ForwardMode
-    )
+    hm = load_file_module(pkg / "srt/model_executor/hook_manager.py", f"_hm_{norm_release}")
+    return SimpleNamespace(outer=outer, dump=dump, rank=rank, hm=hm, FM=pristine.ForwardMode)
 
 
 def _register14(server: Any, layers: list[int]) -> None:
@@ -454,3 +471,63 @@ def test_sglang_0514_names_we_read_exist(pkg14: Path) -> None:
     assert "hook_factory(config)" in hm and "module.register_forward_hook(hook)" in hm
     mr = _src(pkg14, "srt/model_executor/model_runner.py")
     assert "Register forward hooks AFTER cuda-graph capture" in mr
+
+
+# --- every release's source against its design; releases with no declaration ----------
+
+
+def test_each_release_source_has_what_its_design_needs(release: str, release_pkg: Path) -> None:
+    """The hooks attach to that release's real classes and call protocol, and every
+    option of the command is declared there (compat.check, also what an undeclared
+    release is held to)."""
+    checks = compat.check(release_pkg, versions.get(release))
+    assert len(checks) >= 30
+    assert [str(c) for c in checks if not c.ok] == []
+
+
+def test_reading_a_release_source_rebuilds_its_declaration(release: str, release_pkg: Path) -> None:
+    """What infer() reads from a source (options layout, alignment, backend options,
+    headroom, pins, design) is what each hand-written declaration says."""
+    got = compat.infer(release_pkg, release)
+    assert replace(got, notes=()) == replace(versions.get(release), notes=())
+
+
+def test_an_undeclared_release_matching_a_design_runs_hooks(tmp_path: Path) -> None:
+    newest = ensure_pinned_source("0.5.23") / "sglang"
+    pkg = fake_release(newest, tmp_path)
+    rel = compat.infer(pkg)
+    assert rel.version == "0.5.24" and rel.hooks == "aux_capture"
+    assert rel.args_classes == "_NS_PATH" and "0.5.23" in rel.notes[0]
+    # The command built for it passes the flag check against its own source.
+    cfg = load_config(PROD)
+    cfg.update(capture="hooks", aux_layers=[2, 30, 58])
+    argv, _ = build_launch(cfg, dump_dir="/dev/shm/hs", port=31000, rel=rel)
+    assert "--enable-return-aux-hidden-states" in check_argv(
+        argv, declared_flags(pkg, rel), "0.5.24"
+    )
+
+
+def test_an_undeclared_release_falls_back_to_the_design_its_layers_fit(tmp_path: Path) -> None:
+    """0.5.22's source under a new name: no aux-hidden-state option, so not 0.5.23's design,
+    but its input norms fit the layernorm hooks."""
+    pkg = fake_release(ensure_pinned_source("0.5.22") / "sglang", tmp_path)
+    rel = compat.infer(pkg)
+    assert rel.hooks == "layernorm"
+    assert rel.hooks_tp_args == ("--enforce-disable-flashinfer-allreduce-fusion",)
+    assert rel.deterministic_align == versions.get("0.5.22").deterministic_align
+
+
+def test_an_undeclared_release_that_differs_is_refused_naming_what(tmp_path: Path) -> None:
+    pkg = fake_release(ensure_pinned_source("0.5.23") / "sglang", tmp_path)
+    fields = pkg / "srt/arg_groups/fields"
+    (hit,) = [
+        p for p in fields.glob("*.py") if re.search(r"^\s+forward_hooks:", p.read_text(), re.M)
+    ]
+    hit.write_text(
+        re.sub(r"^(\s+)forward_hooks:", r"\1forward_hook_specs:", hit.read_text(), flags=re.M)
+    )
+    with pytest.raises(ConfigError) as e:
+        compat.infer(pkg)
+    msg = str(e.value)
+    assert "SGLang 0.5.24 has no declaration" in msg and "nearest supported release, 0.5.23" in msg
+    assert "option --forward-hooks" in msg and "option --model-path" not in msg

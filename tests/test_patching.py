@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 import torch
-from fixtures_sglang import StandInModel, StandInModel14
+from fixtures_sglang import load_file_module
 from safetensors import safe_open
 
 from hsextract.capture import get_writer
-from hsextract.sglang import patching
+from hsextract.sglang import patching, versions
 from hsextract.sglang.patching import PatchError, apply, load_spec, revert, sha256_file, verify
 
 TARGET = "srt/models/deepseek_v2.py"
@@ -101,7 +101,8 @@ def test_unknown_version_is_refused_naming_the_known(root: Path, release: str) -
     before = (root / TARGET).read_bytes()
     with pytest.raises(PatchError, match="no patch for sglang 0.5.24") as e:
         apply(root)
-    assert "0.5.14, 0.5.23" in str(e.value) and "capture: hooks" in str(e.value)
+    assert ", ".join(versions.known()) in str(e.value) and "capture: hooks" in str(e.value)
+    assert "patches/port.py 0.5.24" in str(e.value)
     assert (root / TARGET).read_bytes() == before
 
 
@@ -162,14 +163,9 @@ DEFAULT_LAYERS = [2, L // 2, L - 3]
 
 
 @pytest.fixture
-def fwd(release: str, request: pytest.FixtureRequest) -> SimpleNamespace:
+def fwd(release_forwards: SimpleNamespace) -> SimpleNamespace:
     """The release's patched and pristine forward and its stand-in model class."""
-    if release == "0.5.14":
-        names, model = ("patched_forward14", "pristine_forward14"), StandInModel14
-    else:
-        names, model = ("patched_forward", "pristine_forward"), StandInModel
-    patched, pristine = (request.getfixturevalue(n) for n in names)
-    return SimpleNamespace(patched=patched, pristine=pristine, Model=model)
+    return release_forwards
 
 
 def _pass(
@@ -335,3 +331,12 @@ def test_patched_forward_keeps_sglang_aux_capture(fwd: Any, dump: Path) -> None:
     assert torch.equal(hidden, want_hidden)
     assert all(torch.equal(x, y) for x, y in zip(aux, want_aux, strict=True))
     _check_request(model, reqs[0][1], _pieces(dump)["h"], DEFAULT_LAYERS)
+
+
+def test_port_writes_the_committed_patch(release: str, release_pkg: Path, tmp_path: Path) -> None:
+    """patches/port.py (how a new release gets its patch) rebuilds every committed patch
+    and manifest byte for byte from the release's own file."""
+    port = load_file_module(patching.PATCHES_DIR / "port.py", "_hsextract_port")
+    out = port.write(release, release_pkg, tmp_path)
+    for name in ("deepseek_v2.py.patch", "manifest.json"):
+        assert (out / name).read_bytes() == (patching.PATCHES_DIR / out.name / name).read_bytes()

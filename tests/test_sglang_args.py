@@ -11,10 +11,12 @@ from typing import Any
 
 import pytest
 import yaml
+from fixtures_sglang import fake_release
 
 from hsextract.config import load_config
 from hsextract.errors import ConfigError
 from hsextract.sglang import versions
+from hsextract.sglang.compat import AUX_CAPTURE_OPTIONS, COMMAND_OPTIONS
 from hsextract.sglang.flags import Flag, check_argv, declared_flags
 from hsextract.sglang.launch import (
     CLIENT_MAX_NEW_TOKENS,
@@ -25,6 +27,7 @@ from hsextract.sglang.launch import (
     redact_argv,
     validate_sglang_config,
 )
+from hsextract.sglang.patching import ensure_pinned_source
 
 ROOT = Path(__file__).resolve().parents[1]
 PROD = ROOT / "configs" / "deepseek-v3-8xh200.yaml"
@@ -159,6 +162,9 @@ def test_build_launch_emits_only_declared_flags(
     argv, env = build_launch(cfg, dump_dir="/dev/shm/hs", port=31000)
     assert argv[:3] == ["/opt/sglang-0.5.23/bin/python", "-m", "sglang.launch_server"]
     seen = check_argv(argv, flags, release)
+    rel = versions.get(release)
+    # compat.check holds an undeclared release to the same options.
+    assert set(seen) <= {*COMMAND_OPTIONS, *AUX_CAPTURE_OPTIONS, *rel.hooks_tp_args}
     for needed in (
         "--cuda-graph-backend-decode", "--cuda-graph-backend-prefill", "--disable-radix-cache",
         "--tp-size", "--host", "--port", "--context-length", "--model-path",
@@ -200,9 +206,9 @@ def test_build_launch_emits_only_declared_flags(
 
 
 def test_an_unsupported_release_is_refused_naming_the_known() -> None:
-    with pytest.raises(
-        ConfigError, match=r"SGLang 0\.5\.9 is not supported: known 0\.5\.14, 0\.5\.23"
-    ):
+    known = ", ".join(versions.known())
+    assert known.startswith("0.5.14, 0.5.15.post1, 0.5.16") and known.endswith("0.5.22, 0.5.23")
+    with pytest.raises(ConfigError, match=rf"SGLang 0\.5\.9 is not supported: known {known}"):
         build_launch(_prod("0.5.9"), dump_dir="/d", port=1)
 
 
@@ -217,6 +223,24 @@ def test_the_installed_release_is_detected_from_the_env(tmp_path: Path) -> None:
     missing = _prod(**{"sglang.version": None, "sglang.python": str(tmp_path / "nope")})
     with pytest.raises(ConfigError, match="sglang.python"):
         launch.release(missing)
+
+
+def test_an_undeclared_installed_release_is_read_from_its_source(tmp_path: Path) -> None:
+    """sglang.python's env holds 0.5.24 (0.5.23's source renamed): capture: hooks runs on
+    a declaration read from it; capture: patch is refused (no patch), naming the tool."""
+    from hsextract.sglang import launch
+
+    pkg = fake_release(ensure_pinned_source("0.5.23") / "sglang", tmp_path)
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\ncase "$2" in *find_spec*) echo {pkg};; *) echo 0.5.24;; esac\n')
+    fake.chmod(0o755)
+    env = {"sglang.version": None, "sglang.python": str(fake)}
+    rel = launch.release(_prod(**env, capture="hooks"))
+    assert (rel.version, rel.hooks) == ("0.5.24", "aux_capture")
+    with pytest.raises(ConfigError, match=r"0\.5\.24 is not supported.*patches/port\.py 0\.5\.24"):
+        launch.release(_prod(**env, capture="patch"))
+    with pytest.raises(ConfigError, match=r"sglang.version says 0\.5\.25, .* is sglang 0\.5\.24"):
+        launch.release(_prod(**{**env, "sglang.version": "0.5.25"}, capture="hooks"))
 
 
 def test_aux_layers_env_from_model_config(tmp_path: Path) -> None:
@@ -341,20 +365,32 @@ def _declared_align_sizes(pkg: Path) -> dict[str, tuple[str, int]]:
     return {b: (env, int(n)) for b, env, n in found}
 
 
-def test_deterministic_alignment_declared_as_each_release_has_it(pkg14: Path, sglang_pkg: Path):
-    for version, pkg in (("0.5.14", pkg14), ("0.5.23", sglang_pkg)):
-        declared = {b: (e, n) for b, e, n in versions.get(version).deterministic_align}
-        assert declared == _declared_align_sizes(pkg), version
-    # 0.5.14 leaves a record longer than a chunk below the alignment unscheduled, silently.
-    policy = (pkg14 / "srt/managers/schedule_policy.py").read_text()
-    assert re.search(r"if trunc_len < truncation_align_size:\s*return AddReqResult.OTHER", policy)
-    assert (
-        "check_truncation_align_fits_chunk" not in (pkg14 / "srt/managers/scheduler.py").read_text()
-    )
-    # 0.5.23 refuses to start instead, and its triton backend no longer aligns.
-    assert (
-        "def check_truncation_align_fits_chunk"
-        in (sglang_pkg / "srt/managers/scheduler.py").read_text()
+def test_deterministic_alignment_declared_as_each_release_has_it(
+    release: str, release_pkg: Path
+) -> None:
+    rel = versions.get(release)
+    declared = {b: (e, n) for b, e, n in rel.deterministic_align}
+    assert declared == _declared_align_sizes(release_pkg)
+    scheduler = (release_pkg / "srt/managers/scheduler.py").read_text()
+    body = scheduler[scheduler.index("def init_deterministic_inference_config") :][:3000]
+    # Which option names the backend it aligns for: --attention-backend up to 0.5.17, the
+    # prefill backend (falling back to --attention-backend) from 0.5.18.
+    if "prefill_backend, _ = attention_backends()" in body:
+        assert rel.prefill_backend_args == ("--prefill-attention-backend", "--attention-backend")
+    else:
+        assert "self.server_args.attention_backend, (None, None)" in body
+        assert rel.prefill_backend_args == ("--attention-backend",)
+    if "def check_truncation_align_fits_chunk" in scheduler:
+        return  # 0.5.22 on: refuses to start with a smaller chunk
+    # Before: a record longer than a chunk below the alignment is left unscheduled, silently
+    # (0.5.20 rounds the chunk down to the alignment, to 0, and returns OTHER the same).
+    policy = (release_pkg / "srt/managers/schedule_policy.py").read_text()
+    assert re.search(
+        r"if trunc_len < truncation_align_size:\s*return AddReqResult.OTHER", policy
+    ) or re.search(
+        r"extend_len // truncation_align_size \* truncation_align_size\s*\)[^@]{0,300}?"
+        r"if extend_len <= 0:\s*return AddReqResult.OTHER",
+        policy,
     )
 
 
@@ -377,6 +413,10 @@ DET = ["--enable-deterministic-inference"]
         ),
         ("0.5.14", [*DET, "--attention-backend", "fa3"], 64, {}, False),
         ("0.5.14", ["--attention-backend", "triton"], 64, {}, False),
+        ("0.5.17", [*DET, "--prefill-attention-backend", "triton"], 64, {}, False),
+        ("0.5.18", [*DET, "--prefill-attention-backend", "triton"], 64, {}, True),
+        ("0.5.21", [*DET, "--attention-backend", "triton"], 64, {}, True),
+        ("0.5.22", [*DET, "--attention-backend", "triton"], 64, {}, False),
         ("0.5.23", [*DET, "--attention-backend", "triton"], 64, {}, False),
         ("0.5.23", [*DET, "--prefill-attention-backend", "flashinfer"], 64, {}, True),
     ],
@@ -397,9 +437,37 @@ def test_deterministic_inference_with_a_chunk_below_its_alignment_is_refused(
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float"])
-def test_float32_is_refused_for_the_release_that_cannot_serve_it(dtype: str) -> None:
-    cfg = _prod("0.5.14", **{"model.dtype": dtype})
-    with pytest.raises(ConfigError, match=r"no float32 kernel.*Use bfloat16"):
-        validate_sglang_config(cfg, versions.get("0.5.14"))
-    # 0.5.23 was never run live: nothing known to refuse it for.
-    validate_sglang_config(_prod("0.5.23", **{"model.dtype": dtype}), versions.get("0.5.23"))
+def test_float32_is_refused_for_the_releases_that_cannot_serve_it(dtype: str) -> None:
+    # The releases pinning sglang-kernel 0.4.4, whose rmsnorm failed live on float32.
+    refused = [v for v, rel in versions.known().items() if rel.sglang_kernel == "0.4.4"]
+    assert refused == ["0.5.14", "0.5.15.post1"]
+    for version in versions.known():
+        cfg = _prod(version, **{"model.dtype": dtype})
+        if version in refused:
+            with pytest.raises(ConfigError, match=r"no float32 kernel.*Use bfloat16"):
+                validate_sglang_config(cfg, versions.get(version))
+        else:  # never run live: nothing known to refuse it for
+            validate_sglang_config(cfg, versions.get(version))
+
+
+def test_declared_pins_are_the_wheels(release: str, release_pkg: Path) -> None:
+    """torch and sglang-kernel as the release's own METADATA pins them (h200/build.sh and
+    the README's live/source-checked split read the declaration)."""
+    (meta,) = release_pkg.parent.glob(f"sglang-{release}.dist-info/METADATA")
+    pins = dict(
+        re.findall(r"^Requires-Dist: (torch|sglang-kernel)==([^\s;]+)$", meta.read_text(), re.M)
+    )
+    rel = versions.get(release)
+    assert pins == {"torch": rel.torch, "sglang-kernel": rel.sglang_kernel}
+
+
+def test_readme_release_table_is_the_declarations() -> None:
+    """The README's per-release table (live or source-checked, torch, design) says what
+    the declarations say: live only where the torch pin is the H200 image's 2.11.0."""
+    readme = (ROOT / "README.md").read_text()
+    rows = re.findall(r"^\| (0\.5\.[\w.]+) \| ([^|]+) \| ([\d.]+) \| `(\w+)` \|", readme, re.M)
+    assert [r[0] for r in rows] == list(versions.known())
+    for version, live, torch_pin, design in rows:
+        rel = versions.get(version)
+        assert (torch_pin, design) == (rel.torch, rel.hooks), version
+        assert ("source-checked" in live) == (rel.torch != "2.11.0"), version

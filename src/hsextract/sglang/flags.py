@@ -53,14 +53,25 @@ def _field_flag(st: ast.AnnAssign) -> Flag | None:
     if not (isinstance(ann, ast.Subscript) and ast.unparse(ann.value) == "A"):
         return None
     elts = getattr(ann.slice, "elts", None)
-    if not elts or len(elts) != 2:
+    if not elts or len(elts) < 2:
         return None
-    typ, meta = elts
+    typ = elts[0]
+    # SGLang's _unwrap_annotated: the first Arg(...) or help string among the metadata
+    # (0.5.17-0.5.19 append an NS("...") marker after it).
+    meta = next(
+        (
+            m
+            for m in elts[1:]
+            if (isinstance(m, ast.Call) and ast.unparse(m.func) == "Arg")
+            or (isinstance(m, ast.Constant) and isinstance(m.value, str))
+        ),
+        None,
+    )
+    if meta is None:
+        return None
     kw: dict[str, ast.expr] = {}
-    if isinstance(meta, ast.Call) and ast.unparse(meta.func) == "Arg":
+    if isinstance(meta, ast.Call):
         kw = {k.arg: k.value for k in meta.keywords if k.arg}
-    elif not (isinstance(meta, ast.Constant) and isinstance(meta.value, str)):
-        return None
     if "no_cli" in kw and ast.unparse(kw["no_cli"]) == "True":
         return None
     assert isinstance(st.target, ast.Name)

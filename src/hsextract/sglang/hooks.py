@@ -8,14 +8,15 @@ Two ways to make an SGLang server dump hidden states, both writing the same piec
     aux layers it passes a collector in the ``captured_last_layer_outputs`` slot that
     SGLang's EAGLE-3 capture uses, so the dump sees exactly the residual stream SGLang would
     hand a drafter (after any fused all-reduce), while the server's own
-    ``layers_to_capture`` keeps working.  The collector speaks both releases' protocols:
-    0.5.14 appends to a list (``append``), 0.5.23 packs (``capture(hidden, owned=)``).
+    ``layers_to_capture`` keeps working.  The collector speaks both protocols SGLang has
+    had: ``append`` (0.5.14 - 0.5.20: a list, then a packer) and ``capture(hidden,
+    owned=)`` (0.5.21 on).
 
 ``capture: hooks``
     No file modified; ``--forward-hooks`` names :func:`dump_hook_factory`.  Per release
     (``hsextract.sglang.versions``), one of two designs:
 
-    ``layernorm`` (0.5.14): a hook on each aux layer's ``input_layernorm``, whose output
+    ``layernorm`` (0.5.14 - 0.5.22): a hook on each aux layer's ``input_layernorm``, whose output
     ``(normed, residual)`` holds the residual stream entering the layer (for layer 0, which
     has no residual yet, its input is that stream); one on the final ``norm``; one on the
     inner ``model``, which runs last, sees ``(input_ids, positions, forward_batch)`` and
@@ -24,7 +25,7 @@ Two ways to make an SGLang server dump hidden states, both writing the same piec
     (DeepSeek, Llama, Qwen3 ...).  A layer whose norm was not called (a fused
     all-reduce + norm kernel) fails the forward loudly instead of leaving a gap.
 
-    ``aux_capture`` (0.5.23): SGLang's own aux capture (``--enable-return-aux-hidden-states
+    ``aux_capture`` (0.5.23 on): SGLang's own aux capture (``--enable-return-aux-hidden-states
     --speculative-algorithm EAGLE3``, no draft loaded) and one hook on the inner ``model``,
     whose output is ``(final hidden, packed aux)``.
 
@@ -69,15 +70,17 @@ class _Collector:
         self.value: torch.Tensor | None = None
 
     def capture(self, hidden: torch.Tensor, *, owned: bool = False) -> None:
-        """0.5.23's packer protocol.  SGLang's collector gets exactly what it would have."""
+        """The packer protocol of 0.5.21 on.  SGLang's collector gets exactly what it would
+        have."""
         if self.own is not None:
             self.own.capture(hidden, owned=owned)
         # A borrowed value is the live residual buffer, which later layers overwrite.
         self.value = hidden if owned else hidden.clone()
 
     def append(self, hidden: torch.Tensor) -> None:
-        """0.5.14's list protocol: SGLang appends a tensor it keeps as it is (its own aux
-        capture relies on that), cloned by its communicator where it would be reused."""
+        """The protocol of 0.5.14 - 0.5.20: SGLang appends a tensor it keeps as it is (its
+        own aux capture relies on that), cloned by its communicator where it would be
+        reused (no ``copies_on_append`` here, so 0.5.17's communicator clones too)."""
         if self.own is not None:
             self.own.append(hidden)
         self.value = hidden
@@ -88,7 +91,8 @@ class ForwardDump:
 
     Aux index ``prenorm_index`` (L, when asked for: ``prenorm_final``) is the stream after
     the last layer, before the final norm; the patch hands it over through :meth:`prenorm`
-    (0.5.14) or :meth:`prenorm_capture` (0.5.23's final-norm capture callback).
+    (0.5.14 - 0.5.20) or :meth:`prenorm_capture` (the final-norm capture callback of 0.5.21
+    on).
     """
 
     def __init__(
@@ -107,8 +111,8 @@ class ForwardDump:
             self.prenorm_value = hidden.clone() if residual is None else hidden + residual
 
     def prenorm_capture(self) -> Callable[[torch.Tensor], None] | None:
-        """The ``capture=`` of 0.5.23's ``final_norm``: it hands over the updated residual,
-        borrowed (so it is copied)."""
+        """The capture callback of ``residual_batch.norm`` / ``final_norm`` (0.5.21 on): it
+        hands over the updated residual, borrowed (so it is copied)."""
         if self.prenorm_index is None:
             return None
 
@@ -279,7 +283,7 @@ def _write_hook(
 
 
 def make_dump_hook(config: dict[str, Any], *, tp_rank: Callable[[], int]) -> Callable[..., None]:
-    """The ``aux_capture`` hook on the inner model (0.5.23); ``tp_rank`` injectable for tests.
+    """The ``aux_capture`` hook on the inner model; ``tp_rank`` injectable for tests.
 
     ``config`` may hold ``aux_layers`` (list); else ``HSEXTRACT_AUX_LAYERS`` or the EAGLE-3
     default.  The hook checks them against the model's ``layers_to_capture`` on every call, so

@@ -147,18 +147,59 @@ def installed_version(python: str) -> str:
     return _DETECTED[python]
 
 
+def installed_root(python: str) -> Path:
+    """The ``sglang`` package dir of the env of ``python`` (``find_spec``, not an import:
+    importing sglang would initialise CUDA libraries for nothing)."""
+    import subprocess
+
+    code = (
+        "import importlib.util as u; s = u.find_spec('sglang'); "
+        "print(s.submodule_search_locations[0])"
+    )
+    try:
+        proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
+    except OSError as exc:
+        raise ConfigError(f"cannot run {python} (sglang.python): {exc}") from exc
+    if proc.returncode != 0:
+        raise ConfigError(
+            f"cannot find sglang with {python} (sglang.python): {proc.stderr.strip()[-300:]}"
+        )
+    return Path(proc.stdout.strip())
+
+
+_INFERRED: dict[tuple[str, str], SglangVersion] = {}
+
+
 def release(cfg: dict) -> SglangVersion:
     """The declaration of the configured env's SGLang release (``sglang.version`` or the
-    installed one); an unsupported release is refused naming the supported ones."""
+    installed one).  An undeclared release runs ``capture: hooks`` when its installed
+    source matches a known design (``compat.infer``, read once per run); otherwise it is
+    refused, naming the supported releases (or the nearest one and what differs)."""
     sg = sglang_section(cfg)
     version = sg["version"] or installed_version(sg["python"])
     try:
         return versions.get(version)
     except versions.UnknownVersion as exc:
-        raise ConfigError(
-            f"{exc}. (With capture: hooks no patch is needed, but the flags and the hooks "
-            "design are still per release.)"
-        ) from None
+        if cfg.get("capture", "patch") != "hooks":
+            raise ConfigError(
+                f"{exc}. capture: hooks can run an undeclared release whose source matches "
+                "a known design; capture: patch needs its patch (python patches/port.py "
+                f"{version})"
+            ) from None
+    key = (sg["python"], version)
+    if key not in _INFERRED:
+        from hsextract.sglang import compat
+        from hsextract.sglang.patching import installed_version as version_in
+
+        root = installed_root(sg["python"])
+        found = version_in(root)
+        if found != version:
+            raise ConfigError(
+                f"sglang.version says {version}, {root} (sglang.python's env) is sglang "
+                f"{found}; fix sglang.version (or leave it null)"
+            )
+        _INFERRED[key] = compat.infer(root, version)
+    return _INFERRED[key]
 
 
 def context_length(cfg: dict, headroom: int = CONTEXT_HEADROOM) -> int:

@@ -85,7 +85,7 @@ def load_spec(version: str, patches_dir: Path | None = None) -> PatchSpec:
         raise PatchError(
             f"no patch for sglang {version} (looked for {manifest}); patches exist for "
             f"{', '.join(versions.known())}. Install one of those, or use capture: hooks, "
-            "which modifies no file"
+            f"which modifies no file (or write its patch: python patches/port.py {version})"
         )
     m = json.loads(manifest.read_text())
     return PatchSpec(
@@ -266,22 +266,61 @@ def default_cache_dir(version: str) -> Path:
     return Path(base) / f"sglang-{version}"
 
 
+#: What the flag check, the patch tests and the hook harnesses read of a release (paths
+#: under ``sglang/``; ``**/`` any depth, ``*`` within one name), plus the wheel's METADATA:
+#: 3-6 MB of each 12-40 MB wheel.  A file added here is picked up by re-extracting the
+#: kept wheel.
+SOURCE_FILES = (
+    "*.py",
+    "srt/*.py",
+    "srt/arg_groups/**/*.py",
+    "srt/managers/*.py",
+    "srt/model_executor/**/*.py",
+    "srt/layers/*.py",
+    "srt/layers/layer_boundary/**/*.py",
+    "srt/sampling/*.py",
+    "srt/models/deepseek_v2.py",
+    "srt/models/llama.py",
+    "srt/models/qwen2.py",
+    "srt/models/qwen3.py",
+)
+
+
+def _source_pattern(globs: tuple[str, ...]) -> re.Pattern[str]:
+    parts = []
+    for g in globs:
+        rx = "".join(
+            "(?:[^/]+/)*" if tok == "**/" else "[^/]*" if tok == "*" else re.escape(tok)
+            for tok in re.split(r"(\*\*/|\*)", g)
+            if tok
+        )
+        parts.append(rx)
+    # and the wheel's METADATA: the torch and sglang-kernel pins the declarations repeat
+    return re.compile(r"sglang/(?:" + "|".join(parts) + r")|sglang-[^/]+\.dist-info/METADATA")
+
+
 def ensure_pinned_source(version: str, cache_dir: Path | None = None) -> Path:
-    """The directory holding release ``version``'s ``sglang/`` source; downloads and unzips
-    its wheel once.
+    """The directory holding release ``version``'s ``sglang/`` source (the files of
+    :data:`SOURCE_FILES`); downloads its wheel once and extracts only those.
 
     Tests and the flag checks read SGLang's real source, never a copy we maintain.
     """
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir(version)
     src = cache / "src"
     done = cache / ".unpacked"
-    if done.is_file() and (src / "sglang" / "srt").is_dir():
+    wanted = _source_pattern(SOURCE_FILES)
+    stamp = json.dumps({"files": wanted.pattern})  # another selection re-extracts
+
+    def ready() -> bool:
+        return done.is_file() and done.read_text() == stamp and (src / "sglang" / "srt").is_dir()
+
+    if ready():
         return src
     from filelock import FileLock  # workflow-side dependency; the server never gets here
 
     cache.mkdir(parents=True, exist_ok=True)
     with FileLock(str(cache / ".lock")):
-        if done.is_file() and (src / "sglang" / "srt").is_dir():
+        if ready():
             return src
         wheels = sorted(cache.glob(f"sglang-{version}-*.whl"))
         if not wheels:
@@ -296,11 +335,11 @@ def ensure_pinned_source(version: str, cache_dir: Path | None = None) -> Path:
                 )
         tmp = Path(tempfile.mkdtemp(dir=cache, prefix=".unpack-"))
         with zipfile.ZipFile(wheels[0]) as zf:
-            zf.extractall(tmp)
+            zf.extractall(tmp, [n for n in zf.namelist() if wanted.fullmatch(n)])
         if src.exists():
             shutil.rmtree(src)
         os.replace(tmp, src)
-        done.write_text(wheels[0].name + "\n")
+        done.write_text(stamp)
     return src
 
 

@@ -2,14 +2,20 @@
 
 What differs between releases lives here and nowhere else: where the server options are
 declared (for the flag check), which forward-hooks design fits the release, the patch's
-directory, flags a release needs.  Adding the next release is one new ``v<X>_<Y>_<Z>.py``
-next to these, plus its ``patches/sglang-<version>/``.  Standard library only.
+directory, flags a release needs.  A release whose relevant parts equal its predecessor's
+is ``dataclasses.replace(<predecessor>.VERSION, version=...)`` plus what changed, so each
+module names only what that release changed.  Adding the next release is one new
+``v<X>_<Y>_<Z>.py`` next to these, plus its ``patches/sglang-<version>/`` (written by
+``patches/port.py``).  A release with no declaration can still run ``capture: hooks``
+when its source matches a known design (``hsextract.sglang.compat``).  Standard library
+only.
 """
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
+import re
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -44,8 +50,10 @@ class SglangVersion:
     prefill_backend_args: tuple[str, ...] = ("--attention-backend",)
     #: ``model.dtype`` values the release cannot serve on CUDA, with what goes wrong.
     unserved_dtypes: tuple[tuple[str, str], ...] = ()
-    #: The torch this release pins (for the docs and the H200 recipe; not enforced).
+    #: The torch and sglang-kernel this release pins (for the docs and the H200 recipe,
+    #: ``h200/build.sh``; not enforced).
     torch: str = ""
+    sglang_kernel: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -53,15 +61,24 @@ class SglangVersion:
         return f"sglang-{self.version}"
 
 
+def version_key(version: str) -> tuple[int, ...]:
+    """Orders release strings as PyPI does for SGLang's: 0.5.15 < 0.5.15.post1 < 0.5.16."""
+    m = re.fullmatch(r"(\d+)\.(\d+)\.(\d+)(?:\.post(\d+))?", version)
+    if m is None:
+        raise ValueError(f"not an SGLang release string: {version!r}")
+    a, b, c, post = m.groups()
+    return (int(a), int(b), int(c), -1 if post is None else int(post))
+
+
 @cache
 def known() -> dict[str, SglangVersion]:
-    """Every declared release, by version string."""
+    """Every declared release, by version string, oldest first."""
     out = {}
     for mod in pkgutil.iter_modules(__path__):
         if mod.name.startswith("v"):
             v = importlib.import_module(f"{__name__}.{mod.name}").VERSION
             out[v.version] = v
-    return dict(sorted(out.items(), key=lambda kv: tuple(int(x) for x in kv[0].split("."))))
+    return dict(sorted(out.items(), key=lambda kv: version_key(kv[0])))
 
 
 class UnknownVersion(LookupError):
@@ -79,4 +96,4 @@ def get(version: str) -> SglangVersion:
         ) from None
 
 
-__all__ = ["SglangVersion", "UnknownVersion", "get", "known"]
+__all__ = ["SglangVersion", "UnknownVersion", "get", "known", "version_key"]

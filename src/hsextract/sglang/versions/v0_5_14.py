@@ -17,14 +17,18 @@ live there: ../h200/) and the one SpecForge's own capture patch targets.
   queue forever with no error (seen live: 60-token records served, longer ones never).
 - No float32 serving on CUDA: sgl-kernel's ``rmsnorm`` has no float32 path, so the
   scheduler dies at the first request (seen live on the H200, DeepSeek-V3 and Qwen3).
+
+The base of the releases after it: each of ``v0_5_15_post1`` ... ``v0_5_23`` is this
+declaration with what that release changed.
 """
 
 from hsextract.sglang.versions import SglangVersion
 
-_FP32 = (
-    "SGLang 0.5.14's CUDA RMSNorm (sgl-kernel rmsnorm) has no float32 kernel: the server "
+#: Releases pinning sglang-kernel 0.4.4 (0.5.14, 0.5.15.post1) call its rmsnorm the same way.
+FP32_ON_KERNEL_044 = (
+    "its CUDA RMSNorm (sgl-kernel 0.4.4 rmsnorm) has no float32 kernel: the server "
     "starts, then dies at the first request ('rmsnorm ... failed to dispatch data type "
-    "Float', seen on an H200)"
+    "Float', seen on an H200 with SGLang 0.5.14)"
 )
 
 VERSION = SglangVersion(
@@ -35,9 +39,10 @@ VERSION = SglangVersion(
     hooks_tp_args=("--enforce-disable-flashinfer-allreduce-fusion",),
     context_headroom=7,
     deterministic_align=(
-        ("triton", "SGLANG_TRITON_PREFILL_TRUNCATION_ALIGN_SIZE", 4096),
         ("flashinfer", "SGLANG_FLASHINFER_PREFILL_SPLIT_TILE_SIZE", 4096),
+        ("triton", "SGLANG_TRITON_PREFILL_TRUNCATION_ALIGN_SIZE", 4096),
     ),
-    unserved_dtypes=(("float32", _FP32), ("float", _FP32)),
+    unserved_dtypes=(("float32", FP32_ON_KERNEL_044), ("float", FP32_ON_KERNEL_044)),
     torch="2.11.0",
+    sglang_kernel="0.4.4",
 )
