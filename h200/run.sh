@@ -66,7 +66,11 @@ PY
 }
 end_marked "before the tests"
 export "$MARK=$$"
-if [ ! -d /tmp/site/sglang ]; then xz -dc -T0 "$D/site.tar.xz" | tar -x -C /tmp; fi
+# A warm machine may hold another release's site from an earlier call: unpack again then.
+if [ ! -d /tmp/site/sglang ] || [ "$(cat /tmp/site/.hsextract-sglang-version 2>/dev/null)" != "$(cat "$D/site.version" 2>/dev/null)" ]; then
+  rm -rf /tmp/site && xz -dc -T0 "$D/site.tar.xz" | tar -x -C /tmp
+  cat "$D/site.version" > /tmp/site/.hsextract-sglang-version 2>/dev/null
+fi
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 "$D"/wheels/*.whl \
   2>&1 | grep -v "^WARNING" | tail -3
 if [ -f "$D/jitcache.tar.xz" ] && [ ! -d /tmp/jitcache ]; then tar -xJf "$D/jitcache.tar.xz" -C /tmp; fi

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from fixtures_demo import REPO, planned_jobs, snakemake_cmd
 
+from hsextract.sglang.versions import known, version_key
+
 
 @pytest.fixture
 def production_like(tmp_path: Path) -> dict:
@@ -45,7 +47,7 @@ def test_production_config_plans_every_chunk_without_gpu(production_like, tmp_pa
     assert not p["out"].exists()
 
 
-@pytest.mark.parametrize("version", ["0.5.14", "0.5.23"])
+@pytest.mark.parametrize("version", sorted(known(), key=version_key))
 def test_production_server_command_prints_env_and_argv(version: str):
     # No SGLang env here to detect the release from: name it.
     out = subprocess.run(

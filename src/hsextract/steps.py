@@ -241,22 +241,9 @@ def _as_dict(result: Any) -> dict:
 
 def _installed_sglang_root(cfg: dict) -> Path:
     """The sglang package dir of the env named in config (never ours: it is the user's)."""
-    import subprocess
+    from hsextract.sglang.launch import installed_root
 
-    from hsextract.errors import HsextractError
-
-    python = cfg.get("sglang", {}).get("python", "python3")
-    # find_spec, not import: importing sglang would initialise CUDA libraries for nothing.
-    code = (
-        "import importlib.util as u; s = u.find_spec('sglang'); "
-        "print(s.submodule_search_locations[0])"
-    )
-    proc = subprocess.run([python, "-c", code], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise HsextractError(
-            f"cannot import sglang with {python} (sglang.python): {proc.stderr.strip()[-300:]}"
-        )
-    return Path(proc.stdout.strip())
+    return installed_root(cfg.get("sglang", {}).get("python", "python3"))
 
 
 def gpu_gate(sm: Any) -> None:
