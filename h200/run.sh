@@ -3,7 +3,8 @@
 # workflow's wheels, restore the kernel cache, run the live tests (or a command), bring the
 # kernel cache back.  One device call runs one group of the live tests (each well under the
 # device's 600 s per command; groups in tests/live/conftest.py):
-#   bash h200/run.sh --group 1            # the workflow end to end   (2: fidelity, 3: faults)
+#   bash h200/run.sh --group 1            # the workflow end to end   (2: fidelity, 3: faults,
+#                                         # 4: dp 2 on one GPU, 5: a DP worker killed)
 #   bash h200/run.sh --group 1 -k workflow   # extra pytest arguments after the group
 #   HSEXTRACT_RUN="python3 bench/sglang_live.py" bash h200/run.sh   # anything else
 # First it ends what an earlier call of this harness left running (a call killed at 600 s

@@ -198,9 +198,14 @@ def write(version: str, pkg: Path, out_dir: Path = HERE) -> Path:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("version", help="the SGLang release, e.g. 0.5.24")
+    ap.add_argument("sglang_pkg_dir", nargs="?", help="its sglang/ dir (default: the wheel's)")
+    args = ap.parse_args()
     sys.path.insert(0, str(HERE.parent / "src"))
     from hsextract.sglang.patching import ensure_pinned_source
 
-    ver = sys.argv[1]
-    root = Path(sys.argv[2]) if len(sys.argv) > 2 else ensure_pinned_source(ver) / "sglang"
-    print(write(ver, root))
+    root = args.sglang_pkg_dir or ensure_pinned_source(args.version) / "sglang"
+    print(write(args.version, Path(root)))

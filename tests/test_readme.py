@@ -187,7 +187,7 @@ def test_every_doc_has_its_commands_found():
         "snakemake --profile profiles/slurm extract_all",
         "hsextract patch verify --sglang-root some/dir",
         "python bench/capture_gpu.py --engine reference --uniform",
-        "bash h200/run.sh -k workflow_end_to_end",
+        "bash h200/run.sh --group 1",
         "python3 bench/sglang_live.py",
     ):
         assert cmd in found, cmd
@@ -245,13 +245,19 @@ def workdir(tmp_path_factory) -> dict:
         (root / "shards" / f"part-{i}.jsonl").write_text(
             '{"input_ids": [1, 2], "loss_mask": [0, 1]}\n'
         )
-    prod = yaml.safe_load((REPO / "configs" / "deepseek-v3-8xh200.yaml").read_text())
-    prod["model"]["path"] = str(model)
-    prod["inputs"] = [str(root / "shards" / "*.jsonl")]
-    prod["output_root"] = str(root / "out")
     (work / "configs").mkdir()
-    for name in ("configs/deepseek-v3-8xh200.yaml", "my.yaml"):
-        (work / name).write_text(yaml.safe_dump(prod))
+    # Every shipped config, pointed at the stand-in model and shards ("set model.path,
+    # inputs ..." as their comments say); my.yaml is the README's copy of the DeepSeek one.
+    for src in sorted((REPO / "configs").glob("*.yaml")):
+        prod = yaml.safe_load(src.read_text())
+        prod["model"]["path"] = str(model)
+        prod["inputs"] = [str(root / "shards" / "*.jsonl")]
+        prod["output_root"] = str(root / "out")
+        names = [f"configs/{src.name}"]
+        if src.name == "deepseek-v3-8xh200.yaml":
+            names.append("my.yaml")
+        for name in names:
+            (work / name).write_text(yaml.safe_dump(prod))
     return {"dir": work, "fp": run_dir_of(work).name}
 
 
@@ -339,10 +345,10 @@ def _nothing_required(parser: argparse.ArgumentParser) -> None:
         action.required = False
 
 
-BENCH = [c for c in _of(*PYTHONS) if c.argv[1].startswith("bench/")]
+BENCH = [c for c in _of(*PYTHONS) if c.argv[1].startswith(("bench/", "patches/"))]
 
-# Runs each bench script as __main__ up to its argparse: parse_args parses, then stops the
-# script there, so nothing is measured.
+# Runs each bench (and patches/) script as __main__ up to its argparse: parse_args parses,
+# then stops the script there, so nothing is measured.
 _PARSE_ONLY = """
 import argparse, contextlib, io, json, runpy, sys
 class Parsed(Exception):
@@ -400,7 +406,7 @@ OTHER = [c for c in COMMANDS if c not in SNAKEMAKE + HSEXTRACT + BENCH]
 @pytest.mark.parametrize("cmd", OTHER, ids=_ids(OTHER))
 def test_other_command_names_what_exists(cmd: Command):
     """pip: the extras exist and a version the project pins is that pin; bash: the script
-    exists and a `-k` selects a live test; pytest: the markers are registered."""
+    exists, a `-k` selects a live test, a `--group` is one; pytest: markers are registered."""
     argv = list(cmd.argv)
     if argv[0] == "pip":
         assert argv[1] == "install", cmd
@@ -418,6 +424,9 @@ def test_other_command_names_what_exists(cmd: Command):
         for i, arg in enumerate(argv[:-1]):
             if arg == "-k":
                 assert f"def test_{argv[i + 1]}" in live or argv[i + 1] in live, cmd
+            if arg == "--group":  # a group of tests/live/conftest.py's GROUPS
+                groups = (REPO / "tests" / "live" / "conftest.py").read_text()
+                assert f'    "{argv[i + 1]}": (' in groups, cmd
     elif argv[0] in PYTHONS and argv[1:3] == ["-m", "pytest"]:
         markers = {m.split(":")[0] for m in tomllib.loads((REPO / "pyproject.toml").read_text())[
             "tool"]["pytest"]["ini_options"]["markers"]}  # fmt: skip

@@ -12,11 +12,15 @@ import os
 
 import pytest
 
-#: Group number -> the live tests it runs (function names in test_sglang_live.py).
+#: Group number -> the live tests it runs (function names in tests/live/test_*.py).
 GROUPS: dict[str, tuple[str, ...]] = {
     "1": ("test_the_workflow_end_to_end_on_a_live_sglang",),
     "2": ("test_fidelity_across_chunking_batching_capture_and_architectures",),
     "3": ("test_real_faults_a_killed_server_and_a_busy_gpu",),
+    # Data parallel on one GPU (test_dp_live.py).  Seen 2026-12-02: fixture ~60 s, then
+    # ~120 s per dp-2 workflow, so the three variants fit one call and the kill gets its own.
+    "4": ("test_dp2_on_one_gpu_end_to_end",),
+    "5": ("test_dp_worker_killed_mid_chunk_on_live_sglang",),
 }
 GROUP_ENV = "HSEXTRACT_LIVE_GROUP"
 
