@@ -650,8 +650,11 @@ def resolve_inputs(
     return out
 
 
-def input_identity(files: Sequence[str | os.PathLike[str]]) -> list[dict[str, Any]]:
-    """Each input's path, size and mtime_ns: one stat each, no read.
+def input_identity(
+    files: Sequence[str | os.PathLike[str]], content: bool = False
+) -> list[dict[str, Any]]:
+    """Each input's path, size and mtime_ns: one stat each, no read (``content``: and its
+    sha256, for the demo's few-KB shards, see :func:`identity_as_made`).
 
     What the merge records (stats.json) and what the workflow compares on every
     invocation (the merge's settings-file name, rules/common.smk).  Any change of size or
@@ -663,6 +666,8 @@ def input_identity(files: Sequence[str | os.PathLike[str]]) -> list[dict[str, An
     for f in files:
         st = os.stat(f)
         out.append({"path": os.fspath(f), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns})
+        if content:
+            out[-1]["sha256"] = _sha256_file(Path(f))
     return out
 
 
@@ -672,18 +677,21 @@ def identity_as_made(
     """The merge's view of shards this workflow makes (the demo's): each path alone while
     the file is as it was made (or not made yet), its :func:`input_identity` once changed.
 
-    ``made``: what the making stage recorded (demo_data's settings file).  A plain stat
-    would not do: a first run names the merge's settings before the shards exist, and a
-    name that changed once they do would rerun the merge for nothing.
+    ``made``: what the making stage recorded (demo_data's settings file), compared by
+    sha256, not mtime: Snakemake itself touches a job's outputs after the job (seen: the
+    shards' mtime moved 25 ms past what demo_data recorded), and the demo's shards are a few
+    KB.  A plain stat would not do either: a first run names the merge's settings before the
+    shards exist, and a name that changed once they do would rerun the merge for nothing.
     """
     ref = {os.path.normpath(r["path"]): r for r in made or []}
     out: list[str | dict[str, Any]] = []
     for f in files:
         p = os.path.normpath(os.fspath(f))
         rec = ref.get(p)
-        now = input_identity([f])[0] if rec is not None and os.path.exists(f) else None
-        same = now is None or (now["bytes"], now["mtime_ns"]) == (rec["bytes"], rec["mtime_ns"])
-        out.append(p if same else {**now, "path": p})
+        if rec is None or not os.path.exists(f) or _sha256_file(Path(f)) == rec.get("sha256"):
+            out.append(p)
+        else:
+            out.append({**input_identity([f], content=True)[0], "path": p})
     return out
 
 

@@ -57,7 +57,8 @@ def demo_data(sm: Any) -> None:
     # The shards as made: one changed in place later, whatever its mtime, reruns the merge
     # (records.identity_as_made).
     made = {"demo": sm.params.demo, "max_seq_len": sm.params.max_seq_len}
-    write_settings(Path(sm.output.settings), {**made, "shards": input_identity(sm.output.shards)})
+    shards = input_identity(sm.output.shards, content=True)
+    write_settings(Path(sm.output.settings), {**made, "shards": shards})
 
 
 def demo_model(sm: Any) -> None:

@@ -9,12 +9,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hsextract.chunks import ChunkReader
 from hsextract.errors import HsextractError
 from hsextract.records import read_index
+
+if TYPE_CHECKING:  # chunks imports torch: the Snakefile imports this module to plan
+    from hsextract.chunks import ChunkReader
 
 
 class ExportError(HsextractError):
@@ -171,6 +174,8 @@ def open_chunk(run_dir: Path, chunk: str, expect_sha256: str | None = None) -> C
         entry = next(e for e in index["chunks"] if Path(e["path"]).stem == chunk)
         indices = record_indices(run_dir, chunk)
         digest = content_digest_of(hidden)
+        from hsextract.chunks import ChunkReader
+
         reader = ChunkReader(hidden)
     except StopIteration:
         raise ExportError(f"{chunk} is not a chunk of {run_dir}/chunks/index.json") from None
