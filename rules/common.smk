@@ -10,11 +10,15 @@ from hsextract.budget import _start_time
 from hsextract.config import (
     check_semantics,
     coerce_to_schema,
+    demo_data_settings_file,
     dump_dir,
     fingerprint,
-    launch_settings,
     run_dir,
+    settings_digest,
+    stage_settings,
 )
+from hsextract.config import demo_shards as config_demo_shards
+from hsextract.config import input_shards as config_input_shards
 from hsextract.dp import server_gpu_count
 from hsextract.server import (
     OWNER_ENV,
@@ -26,7 +30,6 @@ from hsextract.server import (
     remove_dump_dir_if_empty,
     stop_live,
 )
-from hsextract.records import ASSIGNMENT, identity_as_made, input_identity, resolve_inputs
 from hsextract.stale import hold_run_lock, preview
 
 coerce_to_schema(config)  # --config aux_layers=[1,3,5] arrives as strings
@@ -68,16 +71,11 @@ def run_path(*parts):
 
 
 def demo_shards():
-    return [f"{config['output_root']}/demo/data/shard_{i:02d}.jsonl" for i in range(config["demo"]["n_shards"])]
+    return config_demo_shards(config)
 
 
 def input_shards(wildcards=None):
-    """The demo's shards, or every file the configured paths and globs match: the
-    library's one expansion (records.resolve_inputs: `**` recursive, sorted, each file
-    once), so the workflow merges exactly the shards `hsextract plan` and the merge see."""
-    if config["demo"]["enabled"]:
-        return demo_shards()
-    return [str(p) for p in resolve_inputs(config["inputs"])]
+    return config_input_shards(config)
 
 
 def chunk_inputs(wildcards):
@@ -98,60 +96,29 @@ def chunk_inputs(wildcards):
     }
 
 
-def settings_key(values):
-    return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
+# What each stage's outputs depend on beyond its input files (config.stage_settings), named
+# in one of its outputs (and asked for by extract_all): a changed setting is a missing
+# output, so the stage reruns -- from file names alone, with or without Snakemake's
+# metadata (.snakemake/, which the params trigger needs and which a copied run dir, or one
+# whose .snakemake was removed to clear a lock, does not have).
 DEMO = config["demo"]
-DEMO_DATA_SETTINGS = {
-    "demo": {k: DEMO[k] for k in ("seed", "n_records", "n_shards", "vocab_size")},
-    "max_seq_len": config["max_seq_len"],
-}
-DEMO_MODEL_SETTINGS = {
-    "demo": {k: DEMO[k] for k in ("seed", "num_hidden_layers", "hidden_size", "vocab_size")}
-}
-DEMO_DATA_SETTINGS_FILE = (
-    f"{config['output_root']}/demo/data/settings-{settings_key(DEMO_DATA_SETTINGS)}.json"
-)
-DEMO_MODEL_SETTINGS_FILE = str(MODEL_DIR / f"settings-{settings_key(DEMO_MODEL_SETTINGS)}.json")
-
-
-def demo_shards_made():
-    """The demo's shards as demo_data made them (its settings file), or None before."""
-    path = Path(DEMO_DATA_SETTINGS_FILE)
-    return json.loads(path.read_text()).get("shards") if path.exists() else None
-
-
-# What each stage's outputs depend on beyond its input files, named in one of its outputs
-# (and asked for by extract_all): a changed setting is a missing output, so the stage
-# reruns -- from file names alone, with or without Snakemake's metadata (.snakemake/,
-# which the params trigger needs and which a copied run dir, or one whose .snakemake was
-# removed to clear a lock, does not have).
 MERGE_INPUTS = input_shards()
-MERGE_SETTINGS = {
-    "max_seq_len": config["max_seq_len"],
-    "overlength": config["merge"]["overlength"],
-    "seed": config["seed"],
-    # Each shard by path, size and mtime_ns (one stat each, every invocation): a shard
-    # changed and then given an older mtime (cp -p, rsync -a, tar x), which Snakemake's
-    # newer-than trigger never sees, is a new name, so the merge reruns.  The demo's
-    # shards are compared with what demo_data recorded making them (records.identity_as_made).
-    "inputs": identity_as_made(MERGE_INPUTS, demo_shards_made())
-    if DEMO["enabled"]
-    else input_identity(MERGE_INPUTS),
-}
-SPLIT_SETTINGS = {"n_chunks": config["n_chunks"], "assignment": ASSIGNMENT}
-LAUNCH_SETTINGS = launch_settings(config)
-
-
-# A changed stale.* setting reruns delete_stale_states, so that stale.delete_finished: true
-# deletes what the plan printed at startup says it will (it was a param: under
-# rerun-triggers [mtime] it was printed and never applied).
-STALE_SETTINGS = dict(config["stale"])
+STAGE_SETTINGS = stage_settings(config)
+MERGE_SETTINGS = STAGE_SETTINGS["merge"]
+SPLIT_SETTINGS = STAGE_SETTINGS["split"]
+LAUNCH_SETTINGS = STAGE_SETTINGS["launch"]
+STALE_SETTINGS = STAGE_SETTINGS["stale"]
+if DEMO["enabled"]:
+    DEMO_DATA_SETTINGS = STAGE_SETTINGS["demo_data"]
+    DEMO_MODEL_SETTINGS = STAGE_SETTINGS["demo_model"]
+    DEMO_DATA_SETTINGS_FILE = demo_data_settings_file(config, DEMO_DATA_SETTINGS)
+    DEMO_MODEL_SETTINGS_FILE = str(
+        MODEL_DIR / f"settings-{settings_digest(DEMO_MODEL_SETTINGS)}.json"
+    )
 
 
 def settings_file(where, stage, values):
-    return run_path(where, f"{stage}-{settings_key(values)}.json")
+    return run_path(where, f"{stage}-{settings_digest(values)}.json")
 
 
 def stale_settings_file():

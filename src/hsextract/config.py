@@ -402,3 +402,65 @@ def public_config(cfg: dict) -> dict:
     if out.get("server", {}).get("api_key"):
         out["server"]["api_key"] = "***"
     return out
+
+
+def demo_shards(cfg: dict) -> list[str]:
+    """The demo's shard paths (demo_data writes them)."""
+    root = cfg["output_root"]
+    return [f"{root}/demo/data/shard_{i:02d}.jsonl" for i in range(cfg["demo"]["n_shards"])]
+
+
+def input_shards(cfg: dict) -> list[str]:
+    """The demo's shards, or every file the configured paths and globs match: the
+    library's one expansion (records.resolve_inputs: `**` recursive, sorted, each file
+    once), so the workflow merges exactly the shards `hsextract plan` and the merge see."""
+    from hsextract.records import resolve_inputs
+
+    if cfg["demo"]["enabled"]:
+        return demo_shards(cfg)
+    return [str(p) for p in resolve_inputs(cfg["inputs"])]
+
+
+def stage_settings(cfg: dict) -> dict[str, dict[str, Any]]:
+    """What each stage's outputs depend on beyond its input files, by stage (merge, split,
+    launch, stale, and with the demo demo_data and demo_model): rules/common.smk names each
+    in a settings file, and tests/test_settings.py checks every key's kind against them.
+
+    The merge's shards are stat'ed (one each): a shard changed and then given an older
+    mtime (cp -p, rsync -a, tar x), which Snakemake's newer-than trigger never sees, is a
+    new name, so the merge reruns.  The demo's shards are compared with what demo_data
+    recorded making them (records.identity_as_made).
+    """
+    from hsextract.records import ASSIGNMENT, identity_as_made, input_identity
+
+    demo = cfg["demo"]
+    out: dict[str, dict[str, Any]] = {}
+    if demo["enabled"]:
+        out["demo_data"] = {
+            "demo": {k: demo[k] for k in ("seed", "n_records", "n_shards", "vocab_size")},
+            "max_seq_len": cfg["max_seq_len"],
+        }
+        out["demo_model"] = {
+            "demo": {k: demo[k] for k in ("seed", "num_hidden_layers", "hidden_size", "vocab_size")}
+        }
+        made_file = Path(demo_data_settings_file(cfg, out["demo_data"]))
+        made = json.loads(made_file.read_text()).get("shards") if made_file.exists() else None
+        inputs: list = identity_as_made(input_shards(cfg), made)
+    else:
+        inputs = input_identity(input_shards(cfg))
+    out["merge"] = {
+        "max_seq_len": cfg["max_seq_len"],
+        "overlength": cfg["merge"]["overlength"],
+        "seed": cfg["seed"],
+        "inputs": inputs,
+    }
+    out["split"] = {"n_chunks": cfg["n_chunks"], "assignment": ASSIGNMENT}
+    out["launch"] = launch_settings(cfg)
+    # A changed stale.* setting reruns delete_stale_states, so that stale.delete_finished:
+    # true deletes what the plan printed at startup says it will.
+    out["stale"] = dict(cfg["stale"])
+    return out
+
+
+def demo_data_settings_file(cfg: dict, values: dict[str, Any]) -> str:
+    return f"{cfg['output_root']}/demo/data/settings-{settings_digest(values)}.json"
