@@ -345,7 +345,11 @@ def _nothing_required(parser: argparse.ArgumentParser) -> None:
         action.required = False
 
 
-BENCH = [c for c in _of(*PYTHONS) if c.argv[1].startswith(("bench/", "patches/"))]
+BENCH = [
+    c
+    for c in _of(*PYTHONS)
+    if c.argv[1].startswith(("bench/", "patches/")) or c.argv[1:3] == ("-m", "hsextract.settings")
+]
 
 # Runs each bench (and patches/) script as __main__ up to its argparse: parse_args parses,
 # then stops the script there, so nothing is measured.
@@ -360,11 +364,15 @@ def parse_then_stop(self, args=None, namespace=None):
 argparse.ArgumentParser.parse_args = parse_then_stop
 out = {}
 for argv in json.loads(sys.argv[1]):
-    sys.argv = argv
+    module = argv[1] if argv[0] == "-m" else None
+    sys.argv = argv[1:] if module else argv
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            runpy.run_path(argv[0], run_name="__main__")
+            if module:
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(argv[0], run_name="__main__")
         out[" ".join(argv)] = "the script never parsed its arguments"
     except Parsed:
         out[" ".join(argv)] = "ok"
