@@ -1,7 +1,8 @@
 """A request the client gives up on leaves nothing behind: aborted, tombstoned, swept.
 
-Against the real reference engine, with a pass made slow (fault injection) so that the
-request outlives the client's timeout with passes still to run.
+Against the real reference engine, held on events (fault injection): the first pass of
+the request waits on a gate file, so the request outlives the client's timeout with
+passes still to run, and the test opens the gate once the client has given up on it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import copy
 import json
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -17,71 +19,140 @@ import pytest
 import requests
 
 from hsextract import server
-from hsextract.capture import ABANDONED_DIR
+from hsextract.capture import ABANDONED_DIR, piece_name
 from hsextract.client import Client, model_geometry
 from hsextract.config import load_config
 
-SLOW_FIRST_PASS = {"extend": [{"rid": "abandon-me", "nth": [1], "do": "slow", "seconds": 6}]}
+LENGTH, PASS = 512, 64  # 64-token chunked prefill: eight passes per request
+DEADLINE_S = 120  # for each event a test waits on: generous on a loaded 2-core box
 
 
 @pytest.fixture
-def slow_engine(demo_run, tmp_path, monkeypatch):
-    """The demo model behind a reference engine whose first pass for rid 'abandon-me*'
-    is followed by a 6 s stall; 64-token chunked prefill, so a 512-token request has
-    passes left when the client's 4 s timeout fires.  The retry starts after the stall
-    (4 + 3 s backoff) and has 4 s for eight tiny passes: generous on a loaded 2-core box
-    (a 1.5 s timeout for them once failed there)."""
+def held_engine(demo_run, tmp_path, monkeypatch):
+    """The demo model behind a reference engine whose first pass for a rid 'abandon-me*'
+    waits until the test creates ``gate`` (the wait is logged to ``faults``)."""
     monkeypatch.chdir(demo_run["workdir"])
     cfg = copy.deepcopy(load_config("config.yaml"))
-    cfg["server"]["chunked_prefill_size"] = 64
-    # The retry waits out the stall (backoff 3 s), so only the first attempt times out.
-    cfg["client"].update(request_timeout_s=4, retries=1, backoff_s=3.0, piece_timeout_s=10)
+    cfg["server"]["chunked_prefill_size"] = PASS
     cfg["dump"]["dir"] = str(tmp_path / "dump")
-    monkeypatch.setenv("HSEXTRACT_FAULTS", json.dumps(SLOW_FIRST_PASS))
+    gate, fault_log = tmp_path / "gate", tmp_path / "faults.jsonl"
+    hold = {
+        "log": str(fault_log),
+        "extend": [{"rid": "abandon-me", "nth": [1], "do": "wait", "gate": str(gate)}],
+    }
+    monkeypatch.setenv("HSEXTRACT_FAULTS", json.dumps(hold))
     spec = server.build_spec(cfg, run_dir=tmp_path, log_path=tmp_path / "server.log")
     state = server.start(spec, owner=os.getpid())
-    yield cfg, state, tmp_path / "dump"
-    server.stop(state)
+    try:
+        yield {"cfg": cfg, "state": state, "dump": tmp_path / "dump", "gate": gate,
+               "faults": fault_log}  # fmt: skip
+    finally:
+        gate.touch()  # never leave the scheduler held, whatever failed
+        server.stop(state)
 
 
-def _idle(url: str, timeout: float = 30) -> dict:
+def _until(predicate, what: str, timeout: float = DEADLINE_S):
     deadline = time.monotonic() + timeout
-    while True:
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f}s waiting for {what}"
+        time.sleep(0.05)
+    return value
+
+
+def _faults(log: Path) -> list[dict]:
+    return [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+
+
+def _idle(url: str) -> dict:
+    def idle() -> dict | None:
         info = requests.get(f"{url}/get_server_info", timeout=5).json()
-        if info["running"] == 0 and info["waiting"] == 0:
-            return info
-        assert time.monotonic() < deadline, info
-        time.sleep(0.1)
+        return info if info["running"] == 0 and info["waiting"] == 0 else None
+
+    return _until(idle, "the engine to be idle")
 
 
-def test_a_timed_out_request_is_aborted_and_leaves_no_piece(slow_engine):
-    cfg, state, dump = slow_engine
-    ids = [i % 500 for i in range(512)]
-    client = Client(cfg, model_geometry(cfg), lambda: state)
-    got_ids, hidden, aux = client.extract("abandon-me", "r0", ids)  # attempt 2 succeeds
-    assert got_ids.tolist() == ids and hidden.shape == (512, 64)
-    (abandoned,) = client.abandoned
+def test_a_timed_out_request_is_aborted_and_leaves_no_piece(held_engine):
+    cfg, state, dump, gate = (held_engine[k] for k in ("cfg", "state", "dump", "gate"))
+    ids = [i % 500 for i in range(LENGTH)]
+    # Held on the gate, the first attempt times out whatever its timeout: 5 s is only the
+    # deadline for its first pass to run.  The retry must not time out, however slow the
+    # machine: before it the client re-ensures the server (our `ensure`), which raises
+    # the timeout to a generous one.
+    cfg["client"].update(request_timeout_s=5, retries=1, backoff_s=0.0, piece_timeout_s=60)
+    calls = []
+
+    def ensure() -> dict:
+        calls.append(1)
+        if len(calls) > 1:
+            client.timeout = float(DEADLINE_S)
+        return state
+
+    client = Client(cfg, model_geometry(cfg), ensure)
+    result: dict = {}
+
+    def extract() -> None:
+        try:
+            result["out"] = client.extract("abandon-me", "r0", ids)
+        except BaseException as exc:  # re-raised by the test thread below
+            result["error"] = exc
+
+    worker = threading.Thread(target=extract, name="extract", daemon=True)
+    worker.start()
+    try:
+        # The first pass ran and its piece is on disk, then the request is held.
+        (wait,) = _until(lambda: _faults(held_engine["faults"]), "the first pass to be held")
+        rid = wait["rid"]
+        first = dump / rid / piece_name(0)
+        _until(lambda: first.exists() or client.abandoned, "the first pass's piece")
+        assert not client.abandoned, "the client timed out before the first pass was written"
+        # The client times out, aborts, tombstones and sweeps: then the engine goes on.
+        _until(lambda: client.abandoned, "the client to give up on the first attempt")
+        assert client.abandoned == [rid]
+        gate.touch()
+        worker.join(DEADLINE_S)
+        assert not worker.is_alive(), "the retry never returned"
+    finally:
+        gate.touch()
+        worker.join(DEADLINE_S)
+    if "error" in result:
+        raise result["error"]
+    got_ids, hidden, aux = result["out"]  # attempt 2 succeeded
+    assert got_ids.tolist() == ids and hidden.shape == (LENGTH, 64)
+    assert len(calls) == 2 and client.abandoned == [rid]
     info = _idle(state["url"])
-    time.sleep(1.0)  # a pass still under way when the abort came has written by now
-    # The engine stopped prefilling it: aborted part-way, not run to the end.
-    (abort,) = [a for a in info["aborted"] if a["rid"] == abandoned]
-    assert 0 < abort["prefilled"] < 512
-    assert not (dump / abandoned).exists(), sorted(p.name for p in dump.iterdir())
-    assert (dump / ABANDONED_DIR / abandoned).exists()
+    # The engine stopped prefilling it after the one pass it was held on: aborted
+    # part-way, not run to the end.  That pass's piece was on disk before the sweep and
+    # it ran no other, so no byte of it can appear later.
+    (abort,) = [a for a in info["aborted"] if a["rid"] == rid]
+    assert abort["prefilled"] == PASS, abort
+    assert not (dump / rid).exists(), sorted(p.name for p in dump.iterdir())
+    assert (dump / ABANDONED_DIR / rid).exists()
     # Nothing of any request is left: only the marker, ledger-free here, and tombstones.
     assert sorted(p.name for p in dump.iterdir()) == [".abandoned", ".hsextract-run"]
 
 
-def test_without_abort_the_server_would_recreate_the_pieces(slow_engine):
+def test_without_abort_the_server_would_recreate_the_pieces(held_engine):
     """The control: what the client did before (remove the dir, walk away) leaks."""
-    cfg, state, dump = slow_engine
+    state, dump, gate = (held_engine[k] for k in ("state", "dump", "gate"))
     rid = "abandon-me-control"
-    body = {"input_ids": [i % 500 for i in range(512)], "rid": rid, "sampling_params": {}}
-    with pytest.raises(requests.Timeout):
-        requests.post(f"{state['url']}/generate", json=body, timeout=4)
-    shutil.rmtree(dump / rid, ignore_errors=True)
-    _idle(state["url"])
-    time.sleep(0.5)
-    left = sorted(p.name for p in (dump / rid).iterdir()) if (dump / rid).exists() else []
-    assert left, "the scenario did not exercise a request outliving its client"
+    body = {"input_ids": [i % 500 for i in range(LENGTH)], "rid": rid, "sampling_params": {}}
+    try:
+        # Held on the gate, the request outlives any timeout; 1 s keeps the test short.
+        with pytest.raises(requests.Timeout):
+            requests.post(f"{state['url']}/generate", json=body, timeout=1)
+        _until(lambda: _faults(held_engine["faults"]), "the first pass to be held")
+        shutil.rmtree(dump / rid, ignore_errors=True)
+        gate.touch()
+        _idle(state["url"])
+    finally:
+        gate.touch()
+    # The passes after the walk-away wrote their pieces into a fresh dir of the rid (the
+    # writer threads finish them after the engine went idle: wait for each one).
+    rest = {piece_name(s) for s in range(PASS, LENGTH, PASS)}
+
+    def written() -> list[str]:
+        names = sorted(p.name for p in (dump / rid).glob("*.safetensors"))
+        return names if rest <= set(names) else []
+
+    left = _until(written, "the pieces of the passes after the walk-away")
     assert sum(Path(dump / rid / n).stat().st_size for n in left) > 0

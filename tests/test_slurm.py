@@ -287,31 +287,62 @@ def test_a_cancelled_allocation_redoes_only_its_unfinished_chunks(
     workdir = make_workdir(tmp_path / "wd")
     profile = slurm_profile(tmp_path / "profile")
     rd = run_dir_of(workdir)
-    # Slow every forward pass (1 s): a chunk takes ~10 s, so one is caught mid-extraction.
-    faults = {"extend": [{"rid": "chunk_", "do": "slow", "seconds": 1.0}]}
-    env = {**os.environ, "HSEXTRACT_FAULTS": json.dumps(faults)}
+    # Each chunk's first pass waits on a gate of its own: the test lets one chunk of an
+    # allocation through, and cancels the allocation while its next chunk is held.
+    gates = {f"chunk_{c:05d}": tmp_path / f"go-{c}" for c in range(4)}
+    fault_log = tmp_path / "faults.jsonl"
+    hold = {
+        "log": str(fault_log),
+        "extend": [
+            {"rid": f"{chunk}-", "nth": [1], "do": "wait", "gate": str(gate)}
+            for chunk, gate in gates.items()
+        ],
+    }
+    env = {**os.environ, "HSEXTRACT_FAULTS": json.dumps(hold)}
     log = open(tmp_path / "run1.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
         snakemake_cmd(workdir, "--profile", str(profile), "extract_all"),
         stdout=log, stderr=subprocess.STDOUT, env=env,
     )  # fmt: skip
+    job = None
     try:
 
         def caught():
-            # An allocation with a finished chunk and one mid-extraction.
-            by_job: dict[str, list[bool]] = {}
-            for key, done in chunk_allocations(rd).values():
-                by_job.setdefault(key.rsplit(".job", 1)[1], []).append(done)
-            return next((j for j, d in by_job.items() if True in d and False in d), None)
+            """The allocation with a finished chunk and one held mid-extraction; on the
+            way, open the gate of a held chunk once all its allocation runs is held (two
+            chunks of one allocation may run side by side: one goes first)."""
+            assert proc.poll() is None, (tmp_path / "run1.log").read_text()[-3000:]
+            waits = fault_log.read_text().splitlines() if fault_log.exists() else []
+            held = {json.loads(x)["rid"][: len("chunk_00000")] for x in waits}
+            by_job: dict[str, dict[str, bool]] = {}
+            for chunk, (key, done) in chunk_allocations(rd).items():
+                by_job.setdefault(key.rsplit(".job", 1)[1], {})[chunk] = done
+            for j, chunks in by_job.items():
+                running = sorted(c for c, done in chunks.items() if not done)
+                waiting = [c for c in running if c in held and not gates[c].exists()]
+                if waiting and any(chunks.values()):
+                    return j
+                if waiting and waiting == running:
+                    gates[waiting[0]].touch()
+            return None
 
-        job = _wait(caught, 180, "an allocation with one chunk done and one running", 0.5)
+        job = _wait(caught, 300, "an allocation with one chunk done and one held", 0.1)
         before = chunk_allocations(rd)
         _slurm("scancel", job)
-        rc = proc.wait(timeout=180)
+        # The other allocation goes on; the cancelled one's held chunk stays held.
+        for chunk, (key, _) in before.items():
+            if not key.endswith(f".job{job}"):
+                gates[chunk].touch()
+        for chunk, gate in gates.items():
+            if chunk not in before:
+                gate.touch()
+        rc = proc.wait(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
         log.close()
+        for gate in gates.values():
+            gate.touch()
     out = (tmp_path / "run1.log").read_text()
     assert rc != 0, out[-3000:]
     # The allocation was cancelled by SLURM (slurmstepd's line, in the job's log) and the

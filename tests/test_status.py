@@ -1,5 +1,5 @@
-"""``hsextract status``: a finished run, a run in progress (real Snakemake, a slowed
-reference engine), a failed chunk, and the pieces it is computed from."""
+"""``hsextract status``: a finished run, a run in progress (real Snakemake, a reference
+engine held mid-chunk), a failed chunk, and the pieces it is computed from."""
 
 from __future__ import annotations
 
@@ -63,34 +63,56 @@ def test_a_finished_run_is_all_done_with_eta_zero(demo_copy):
     assert "server    not running" in text and "error     none" in text
 
 
+def _poll(predicate, what: str, timeout: float = 400):
+    """The first truthy value of ``predicate``, polled until a generous deadline."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f}s waiting for {what}"
+        time.sleep(0.1)
+    return value
+
+
 def test_a_run_in_progress_reports_counts_rate_eta_and_its_server(tmp_path):
-    wd = make_workdir(tmp_path / "w", **SMALL)
-    # Every extend pass of every chunk takes 1 s more: each chunk job lasts seconds.
-    slow = {"extend": [{"rid": "chunk_", "do": "slow", "seconds": 1.0}]}
-    proc = start_snakemake(wd, "-j1", "extract_all", faults=slow)
-    mid = progressed = None
+    # One request at a time, and each chunk's third record held on a gate of its own
+    # (its first pass waits): a status then sees that chunk in flight, two records done.
+    wd = make_workdir(tmp_path / "w", **SMALL, **{"client.requests_in_flight": 1})
+    gates = {f"chunk_{c:05d}": tmp_path / f"go-{c}" for c in range(4)}
+    fault_log = tmp_path / "faults.jsonl"
+    hold = {
+        "log": str(fault_log),
+        "extend": [
+            {"rid": f"{chunk}-000002-", "nth": [1], "do": "wait", "gate": str(gate)}
+            for chunk, gate in gates.items()
+        ],
+    }
+    proc = start_snakemake(wd, "-j1", "extract_all", faults=hold)
+    mid = text = None
     try:
-        deadline = time.monotonic() + 400
-        while mid is None:
+
+        def held() -> str | None:
             assert proc.poll() is None, "the workflow ended before a mid-run status"
-            assert time.monotonic() < deadline, "never saw some chunks done and one in flight"
-            st = status_json(wd)
-            if any(f["tokens_done"] > 0 for f in st["in_flight"]):
-                progressed = st
-            if 0 < st["chunks_done"] < st["chunks_total"] and st["in_flight"]:
-                # The text view right after, of the same moment only if a chunk is still
-                # in flight (one may end between the two calls: then poll on).
+            log = fault_log.read_text().splitlines() if fault_log.exists() else []
+            chunks = [json.loads(x)["rid"][: len("chunk_00000")] for x in log]
+            return next((c for c in chunks if not gates[c].exists()), None)
+
+        while mid is None:
+            chunk = _poll(held, "a chunk held mid-run")
+            if status_json(wd)["chunks_done"] > 0:
+                # Records done within the progress file's interval are written when it
+                # is up: poll for them (seconds), the chunk stays held meanwhile.
+                def progressed() -> dict | None:
+                    st = status_json(wd)
+                    return st if any(f["tokens_done"] for f in st["in_flight"]) else None
+
+                mid = _poll(progressed, f"{chunk}'s records done in the status", 60)
                 text = hsx_status(wd).stdout
-                if "in flight" in text:
-                    mid = st
-            time.sleep(0.3)
-        while progressed is None and proc.poll() is None:
-            st = status_json(wd)
-            if any(f["tokens_done"] > 0 for f in st["in_flight"]):
-                progressed = st
-            time.sleep(0.3)
+            gates[chunk].touch()  # the first chunk run has nothing done yet: go on
+        for gate in gates.values():
+            gate.touch()
         out, _ = proc.communicate(timeout=400)
     finally:
+        for gate in gates.values():
+            gate.touch()
         stop_snakemake(proc, signal.SIGINT)  # Ctrl-C, as a person would
     assert proc.returncode == 0, out[-4000:]
 
@@ -105,11 +127,9 @@ def test_a_run_in_progress_reports_counts_rate_eta_and_its_server(tmp_path):
     (flight,) = mid["in_flight"]
     assert flight["chunk"].startswith("chunk_") and flight["tokens_total"] > 0
     assert "workflow  running" in text and "in flight" in text and "alive and healthy" in text
-    assert flight["phase"] in ("waiting", "sending", "finishing")
+    assert flight["chunk"] == chunk and flight["phase"] == "sending"
     # The progress file of the chunk in flight moved before the chunk was done.
-    assert progressed is not None, "no in-flight chunk ever reported tokens done"
-    f = next(f for f in progressed["in_flight"] if f["tokens_done"] > 0)
-    assert 0 < f["tokens_done"] < f["tokens_total"]
+    assert 0 < flight["tokens_done"] < flight["tokens_total"], flight
 
     end = status_json(wd)
     assert end["finished"] and end["eta_s"] == 0.0 and end["in_flight"] == []
@@ -174,6 +194,24 @@ def test_progress_file_is_rate_limited_atomic_and_removed(tmp_path):
     assert [q.name for q in path.parent.iterdir()] == [path.name]  # no temp file left
     p.remove()
     p.add(5)  # after removal nothing is written again
+    assert not path.exists()
+
+
+def test_progress_file_is_never_more_than_its_interval_behind(tmp_path):
+    """A record done within the interval is written once it is up, with no later record
+    to carry it (the next one may take minutes)."""
+    chunk = tmp_path / "hidden" / "chunk_00003.safetensors"
+    p = ProgressFile(chunk, interval_s=0.5)
+    path = progress_path(chunk)
+    try:
+        p.add(10)  # just after the first write: held back
+        assert json.loads(path.read_text())["tokens_done"] == 0
+        deadline = time.monotonic() + 60
+        while json.loads(path.read_text())["tokens_done"] != 10:
+            assert time.monotonic() < deadline, "the held-back record was never written"
+            time.sleep(0.05)
+    finally:
+        p.remove()
     assert not path.exists()
 
 

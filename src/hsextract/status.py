@@ -62,7 +62,9 @@ class ProgressFile:
 
     A sidecar appears only when a chunk is finished; a chunk of a production run takes
     tens of minutes, so without this a status could say nothing about the one running.
-    Rewritten atomically at most every ``interval_s`` seconds; removed when the chunk
+    Rewritten atomically at most every ``interval_s`` seconds, and never more than that
+    behind: a record done within the interval is written by a timer once it is up (else a
+    slow next record would leave the file stale until it ends).  Removed when the chunk
     ends either way.  A failure to write it is logged once and never fails the chunk.
     """
 
@@ -86,6 +88,7 @@ class ProgressFile:
         self._lock = threading.Lock()
         self._written = 0.0
         self._broken = False
+        self._timer: threading.Timer | None = None
         self._write()
 
     def set_total(self, tokens: int, records: int) -> None:
@@ -103,12 +106,24 @@ class ProgressFile:
         with self._lock:
             self.data["tokens_done"] += tokens
             self.data["records_done"] += 1
-            if time.monotonic() - self._written >= self.interval_s:
+            wait = self.interval_s - (time.monotonic() - self._written)
+            if wait <= 0:
                 self._write()
+            elif self._timer is None:
+                self._timer = threading.Timer(wait, self._write_late)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def _write_late(self) -> None:
+        with self._lock:
+            self._timer = None
+            self._write()
 
     def remove(self) -> None:
         with self._lock:
             self._broken = True  # no write after this
+            if self._timer is not None:
+                self._timer.cancel()
             with contextlib.suppress(OSError):
                 self.path.unlink(missing_ok=True)
 
