@@ -185,25 +185,36 @@ def test_dp2_engine_serves_on_both_workers_the_bytes_of_one(demo_run, tmp_path):
 
 def test_abort_reaches_the_worker_holding_the_rid(demo_run, tmp_path):
     """SGLang's controller sends an abort to every worker (the dispatcher's fallback);
-    the one holding the rid stops it part-way, the answer is finish_reason abort."""
-    slow = {"extend": [{"rid": "slow-", "nth": [1], "do": "slow", "seconds": 3}]}
-    cfg, state = _engine(demo_run, tmp_path, "abort", 2, faults=slow)
+    the one holding the rid stops it part-way, the answer is finish_reason abort.
+
+    Held on an event: the doomed request's first pass waits at a gate until the abort has
+    been answered, so the abort always lands mid-request, however slow the machine.
+    """
+    gate, log = tmp_path / "open", tmp_path / "faults.jsonl"
+    hold = {
+        "log": str(log),
+        "extend": [{"rid": "slow-", "nth": [1], "do": "wait", "gate": str(gate)}],
+    }
+    cfg, state = _engine(demo_run, tmp_path, "abort", 2, faults=hold)
     try:
         ids = [i % 500 for i in range(512)]  # 8 passes of 64
         with ThreadPoolExecutor(2) as pool:
             # One request per worker (round robin), the second the one to abort.
             url = f"{state['url']}/generate"
             other = pool.submit(
-                requests.post, url, json={"input_ids": ids[:50], "rid": "plain"}, timeout=60
+                requests.post, url, json={"input_ids": ids[:50], "rid": "plain"}, timeout=120
             )
             doomed = pool.submit(
-                requests.post, url, json={"input_ids": ids, "rid": "slow-x"}, timeout=60
+                requests.post, url, json={"input_ids": ids, "rid": "slow-x"}, timeout=120
             )
-            deadline = time.monotonic() + 60
-            while not (Path(cfg["dump"]["dir"]) / "slow-x").exists():  # its first pass ran
-                assert time.monotonic() < deadline, "the slow request never started"
-                time.sleep(0.05)
-            requests.post(f"{state['url']}/abort_request", json={"rid": "slow-x"}, timeout=10)
+            try:
+                deadline = time.monotonic() + 120
+                while not (log.exists() and log.read_text().strip()):  # its first pass ran
+                    assert time.monotonic() < deadline, "the request to abort never started"
+                    time.sleep(0.05)
+                requests.post(f"{state['url']}/abort_request", json={"rid": "slow-x"}, timeout=10)
+            finally:
+                gate.touch()
             answer = doomed.result().json()
             assert other.result().json()["meta_info"]["finish_reason"]["type"] == "length"
         assert answer["meta_info"]["finish_reason"]["type"] == "abort"
@@ -212,6 +223,7 @@ def test_abort_reaches_the_worker_holding_the_rid(demo_run, tmp_path):
         assert 0 < abort["prefilled"] < 512
         assert info["dp_served"] == [1, 0] or info["dp_served"] == [0, 1]
     finally:
+        gate.touch()
         server.stop(state)
 
 

@@ -296,13 +296,18 @@ def test_dump_space_stays_within_the_budget_with_two_jobs(demo_run, tmp_path, mo
 
     Long records (400-512 tokens) and a budget of three of the longest requests: one job's
     two requests in flight and the other's first fit it, the two jobs' four would not, so
-    they must share.  Held on events, not on slow passes: the first job's first pass waits
-    until the other job's request is queued at the server, and the other job's first pass
-    waits until the test has seen both jobs' pieces in the dump dir.
+    they must share.  Held on an event, not on slow passes or on the client's speed: the
+    first extend pass (one request, cut by the 257-token chunk, so nothing completes) waits
+    until both jobs hold reservations in the shared ledger and the server has queued the
+    two requests besides the held one.  With the server held no request can finish and no
+    reservation can be given back, so that state is reached on every machine, and a
+    fourth request would be refused by the budget alone.  (Pieces of both jobs at one
+    moment are not a deterministic event: a finished request's pieces are consumed by its
+    client while the server is held.)
     """
     import random
 
-    from hsextract.budget import dump_bytes_for_request
+    from hsextract.budget import LEDGER_DIR, dump_bytes_for_request
 
     per = dump_bytes_for_request(512, 64, 3, "float32", 257)
     budget = 3 * per
@@ -324,52 +329,63 @@ def test_dump_space_stays_within_the_budget_with_two_jobs(demo_run, tmp_path, mo
             "n_chunks": 2,
             "dump.shm_budget_gb": budget / 2**30,
             "client.requests_in_flight": 2,
-            # Passes filled across requests (SGLang's own scheduling): the second job's
-            # first pass then also carries the tail of a request of the first job.
+            # Passes filled across requests (SGLang's own scheduling).
             "server.batch_invariant": False,
         },
     )
-    first, second, log = tmp_path / "open-first", tmp_path / "open-second", tmp_path / "f.jsonl"
-    # The first pass of either job waits at `first`; the first pass of the other (each
-    # chunk's own rule; the first job's pass used its rule up without firing) at `second`.
-    hold = {"log": str(log), "extend": [
-        {"rid": "chunk_", "nth": [1], "do": "wait", "gate": str(first)},
-        {"rid": "chunk_00000", "nth": [1], "do": "wait", "gate": str(second)},
-        {"rid": "chunk_00001", "nth": [1], "do": "wait", "gate": str(second)},
-    ]}  # fmt: skip
+    gate, log = tmp_path / "open", tmp_path / "f.jsonl"
+    hold = {
+        "log": str(log),
+        "extend": [{"rid": "chunk_", "nth": [1], "do": "wait", "gate": str(gate)}],
+    }
     proc = start_snakemake(wd, "-j2", "extract_all", faults=hold)
 
     def held() -> list[dict]:
         return [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
 
+    def ledger(ddir: Path) -> list[tuple[str, int]]:
+        """(owner, bytes) of every reservation: ``<pid>-<start>-<seq>-<bytes>``."""
+        out = []
+        for name in os.listdir(ddir / LEDGER_DIR) if (ddir / LEDGER_DIR).is_dir() else []:
+            parts = name.split("-")
+            if len(parts) == 4 and parts[3].isdigit():
+                out.append(("-".join(parts[:2]), int(parts[3])))
+        return out
+
+    at_hold = None
     try:
         monkeypatch.chdir(wd)
         ddir = dump_dir(load_config("config.yaml"))
         live = server.live_path(run_dir_of(wd) / "state")
-        peak, both, deadline = 0, None, time.monotonic() + 300
+        peak, reserved_peak, deadline = 0, 0, time.monotonic() + 300
         while proc.poll() is None:
-            sizes = _pieces(ddir)
-            peak = max(peak, sum(sizes.values()))
-            waits = held()
-            assert time.monotonic() < deadline or first.exists(), "the jobs never met"
-            if len(waits) == 1 and not first.exists():
+            peak = max(peak, sum(_pieces(ddir).values()))
+            taken = ledger(ddir)
+            reserved_peak = max(reserved_peak, sum(b for _, b in taken))
+            if held() and not gate.exists():
+                assert time.monotonic() < deadline, f"the jobs never met: ledger {taken}"
                 state = server.read_json(live)
                 info = requests.get(f"{state['url']}/get_server_info", timeout=10).json()
-                if info["waiting"] >= 1:  # the other job's request is queued: go on
-                    first.touch()
-            if len(waits) == 2 and not second.exists():
-                both = {k.split("-")[0] for k in _pieces(ddir)}
-                second.touch()
+                pieces = _pieces(ddir)  # the held pass's piece: written by a writer thread
+                ready = {k.split("/")[0] for k in pieces} == {held()[0]["rid"]}
+                if ready and len({o for o, _ in taken}) == 2 and len(taken) == 3:
+                    if info["waiting"] == 2:
+                        at_hold = {"ledger": taken, "pieces": pieces, "info": info}
+                        gate.touch()
             time.sleep(0.002)
     finally:
-        first.touch()
-        second.touch()
+        gate.touch()
         stop_snakemake(proc)
         kill_processes_under(tmp_path)
     out = proc.stdout.read()
     assert proc.returncode == 0, out[-4000:]
-    assert [w["fault"] for w in held()] == ["wait", "wait"], held()
-    assert both == {"chunk_00000", "chunk_00001"}, f"pieces in flight at the hold: {both}"
+    assert [w["fault"] for w in held()] == ["wait"], held()
+    assert at_hold is not None, "the run ended without both jobs holding reservations at once"
+    # Both jobs reserved from the one budget while neither could free anything, and the
+    # three reservations fit it (a fourth of >= 400 tokens would not).
+    reserved = sum(b for _, b in at_hold["ledger"])
+    assert reserved <= budget < reserved + dump_bytes_for_request(400, 64, 3, "float32", 257)
     assert per // 2 < peak <= budget, (peak, budget)
+    assert reserved_peak <= budget, (reserved_peak, budget)
     for sc in (run_dir_of(wd) / "hidden").glob("chunk_*.json"):
         assert 0 < json.loads(sc.read_text())["shm_peak_bytes"] <= budget

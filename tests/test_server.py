@@ -86,10 +86,17 @@ def test_stop_kills_the_whole_process_group(tmp_path):
     port = server.free_port()
     spec = spec_for(tmp_path, [sys.executable, "-c", code, "--port", str(port)], port=port)
     state = server.start(spec, owner=os.getpid())
-    time.sleep(0.3)
-    members = subprocess.run(["pgrep", "-g", str(state["pgid"])], capture_output=True, text=True)
-    assert len(members.stdout.split()) >= 2
-    server.stop(state)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # until the worker has been forked
+            pgrep = ["pgrep", "-g", str(state["pgid"])]
+            members = subprocess.run(pgrep, capture_output=True, text=True).stdout.split()
+            if len(members) >= 2:
+                break
+            assert time.monotonic() < deadline, f"the worker never started: {members}"
+            time.sleep(0.05)
+    finally:
+        server.stop(state)
     assert not server._group_alive(state["pgid"])
 
 
