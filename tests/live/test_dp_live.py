@@ -1,10 +1,12 @@
 """Data-parallel replicas on the live SGLang 0.5.14 (marker ``sglang_live``), on one GPU.
 
-``bash h200/run.sh -k dp``.  Two DP workers on the one H200: 0.5.14 refuses
-``--gpu-id-step 0`` (server_args.py ``check_server_args``: ``gpu_id_step must be
+``bash h200/run.sh --group 4`` and ``--group 5``.  Two DP workers on the one H200: 0.5.14
+refuses ``--gpu-id-step 0`` (server_args.py ``check_server_args``: ``gpu_id_step must be
 positive``), so the GPU is listed twice, ``CUDA_VISIBLE_DEVICES=0,0``, with
 ``SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS=1``: worker d then gets entry d of that list as its
-only visible device (utils/common.py ``maybe_reindex_device_id``), i.e. GPU 0 for both.
+only visible device (utils/common.py ``maybe_reindex_device_id``), i.e. GPU 0 for both;
+CUDA itself rejects the doubled list, so ``one_gpu_dp/sitecustomize.py`` de-duplicates it
+inside the server's processes.
 ``mem_fraction_static`` is halved (0.25 each).  Caveat, from 0.5.14's source: each worker
 sizes its KV pool as free memory minus ``(1 - mem_fraction_static)`` x the free memory it
 saw before loading (model_runner_kv_cache_mixin.py ``_profile_available_bytes``); two
