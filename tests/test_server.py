@@ -50,7 +50,7 @@ def health_spec(tmp_path: Path) -> ServerSpec:
     return spec_for(tmp_path, [sys.executable, "-c", HEALTH_SERVER, "--port", str(port)], port=port)
 
 
-def wait_dead(pid: int, timeout: float = 10) -> bool:
+def wait_dead(pid: int, timeout: float = 60) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not server.pid_alive(pid):

@@ -171,7 +171,7 @@ def slurm_cluster(tmp_path_factory):
             )
 
         try:
-            _wait(no_jobs, 30, "jobs to end")
+            _wait(no_jobs, 120, "jobs to end")
         except AssertionError:
             pass
         for pidfile in reversed(pidfiles):  # slurmd, slurmctld, munged last
@@ -247,7 +247,7 @@ def engines_of(workdir: Path) -> list[int]:
 
 def assert_nothing_left(workdir: Path, rd: Path) -> None:
     """No server or watchdog survives its allocation; no live file claims one does."""
-    _wait(lambda: not engines_of(workdir), 30, "the allocations' servers to stop")
+    _wait(lambda: not engines_of(workdir), 180, "the allocations' servers to stop")
     assert not list((rd / "state").glob("server.*.live.json*"))  # forget_finished_jobs
 
 

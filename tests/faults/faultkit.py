@@ -166,7 +166,7 @@ class FaultRun:
         """Whatever runs from this workdir: a workflow, an orphaned job, a server, a watchdog."""
         return processes_under(self.workdir)
 
-    def assert_no_processes_left(self, timeout: float = 30) -> None:
+    def assert_no_processes_left(self, timeout: float = 120) -> None:
         """Nothing of ours runs on: polled, since the watchdog needs a moment to act."""
         left = wait_until_gone(self.workdir, timeout)
         assert not left, f"processes left behind: {left}"
