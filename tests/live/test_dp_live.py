@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 from livekit import LIVE_ENV, live_config, out_dir, snakemake
-from test_sglang_live import _fidelity, _report, _run_dir, _sglang_processes, _verify, live  # noqa: F401
+from test_sglang_live import _fidelity, _no_sglang_left, _report, _run_dir, _verify, live  # noqa: F401
 
 pytestmark = pytest.mark.sglang_live
 
@@ -52,15 +52,6 @@ def _one_gpu_shim(monkeypatch):
     monkeypatch.setenv(
         "PYTHONPATH", os.pathsep.join(filter(None, [shim, os.environ.get("PYTHONPATH")]))
     )
-
-
-def _assert_no_sglang_left(deadline_s: float = 60.0) -> None:
-    """The workflow has returned, so its stop has been sent: wait for the processes to be
-    gone (the event), with a generous deadline, rather than a fixed pause."""
-    end = time.monotonic() + deadline_s
-    while _sglang_processes() and time.monotonic() < end:
-        time.sleep(0.2)
-    assert not _sglang_processes(), _sglang_processes()
 
 
 def _server_log(rd: Path) -> str:
@@ -113,7 +104,8 @@ def test_dp2_on_one_gpu_end_to_end(live, model: str, capture: str):  # noqa: F81
     _report(f"{name}: fidelity", _fidelity(live, getattr(live, model), chunks, name))
     assert sum(s["records"] for s in sidecars) == len(live.records)
     assert _verify(rd).returncode == 0
-    _assert_no_sglang_left()
+    # The workflow has returned, its stop sent: wait for the processes to be gone (the event).
+    assert not _no_sglang_left(live.root, 120)
 
 
 def test_dp_worker_killed_mid_chunk_on_live_sglang(live):  # noqa: F811 - fixture
@@ -167,5 +159,6 @@ def test_dp_worker_killed_mid_chunk_on_live_sglang(live):  # noqa: F811 - fixtur
     assert proc.returncode == 0, out[-6000:]
     assert "data-parallel worker processes are gone" in chunk_logs, chunk_logs[-4000:]
     assert _verify(rd).returncode == 0
-    _assert_no_sglang_left()
+    # The workflow has returned, its stop sent: wait for the processes to be gone (the event).
+    assert not _no_sglang_left(live.root, 120)
     out_dir()
