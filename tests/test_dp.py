@@ -129,6 +129,22 @@ def test_in_flight_and_shm_budget_are_per_replica():
     assert dp.requests_in_flight(cfg) == cfg["client"]["requests_in_flight"]
 
 
+def test_the_client_keeps_a_connection_per_request_in_flight():
+    """requests keeps 10 connections per host and drops the rest after use: at 16 in flight
+    per replica every request past the tenth opened a new connection (the live race's
+    chunk logs: "Connection pool is full, discarding connection")."""
+    import torch
+
+    from hsextract.client import Geometry
+
+    cfg = _qwen("0.5.14")  # dp 8 x 16 in flight
+    geo = Geometry(hidden_size=4096, num_layers=36, aux_layers=[2, 18, 33], dtype=torch.bfloat16)
+    state = {"url": "http://127.0.0.1:9", "spec": {"dump_dir": "/nonexistent"}}
+    client = Client(cfg, geo, lambda: state)
+    pool = client.session.get_adapter("http://127.0.0.1:9").poolmanager.connection_pool_kw
+    assert pool["maxsize"] == dp.requests_in_flight(cfg) == 128
+
+
 # -- the reference engine with DP workers ----------------------------------------------
 
 

@@ -390,6 +390,16 @@ class Client:
         self.ensure = ensure
         self.state = ensure()
         self.session = requests.Session()
+        # A connection per request in flight: requests keeps 10 per host and drops the rest
+        # after use, so at 16 in flight (the 8B config) every request past the tenth opened
+        # a new one ("Connection pool is full, discarding connection" in the live race).
+        from requests.adapters import HTTPAdapter
+
+        from hsextract.dp import requests_in_flight
+
+        pool = HTTPAdapter(pool_connections=1, pool_maxsize=max(10, requests_in_flight(cfg)))
+        self.session.mount("http://", pool)
+        self.session.mount("https://", pool)
         key = cfg["server"].get("api_key")
         if key:
             self.session.headers["Authorization"] = f"Bearer {key}"
