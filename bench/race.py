@@ -16,7 +16,14 @@ cap 8,192), seeded.  Contenders, one at a time on the GPU:
   capture (``--forward-hooks``), every record's ``/generate`` with 64 in flight: the ceiling;
 * ``hsextract``: ``snakemake -j8 extract_all`` with ``configs/qwen3-8b-1xh200.yaml`` (hooks,
   lossless chunk files, fsync + sha256, manifest); the window runs from the server healthy
-  to Snakemake's exit (the model load is left out of every contender's window);
+  to the run's last output in place (manifest, report), the bare server's from healthy to
+  its last response (the model load and the server's stop are left out of both; with
+  ``--reclaim`` each finished chunk's states are freed on disk, bench/README.md says why);
+* ``hsextract-fault``: a smaller hsextract run (``--fault-records``) whose workflow is
+  SIGKILLed (process group) once half its chunks are finished, then run again: what the
+  rerun redoes, and whether ``hsextract verify`` passes with every record present;
+* ``bare-dp2``: the bare server with ``--dp-size 2`` on the one GPU (the live DP tests'
+  shim), over the first ``--dp2-records`` records;
 * ``specforge`` / ``specforge-gz``: SpecForge's own ``HiddenStatesGenerator`` from its
   script on its in-process SGLang engine (``specforge.offline_capture``), its defaults
   (batch 32, 16 I/O threads, ``.ckpt`` per record; gzip 6 with ``--compress``), driven as
@@ -937,10 +944,10 @@ def main() -> None:
                     max(60.0, left - 150 * len(rest)),
                     reclaim=args.reclaim,
                 )
-                if r.get("manifest") and not args.reclaim:  # freed states fail verify, rightly
-                    r.update(verify_hsextract(Path(r["run_dir"]), deadline - 150 * len(rest)))
-                    samples.update(sample_states(Path(r["run_dir"]),
-                                                 [f"r{i:06d}" for i in range(4)]))  # fmt: skip
+                if r.get("manifest"):
+                    if not args.reclaim:  # freed states fail verify, rightly
+                        r.update(verify_hsextract(Path(r["run_dir"]), deadline - 150 * len(rest)))
+                    samples.update(sample_states(Path(r["run_dir"]), SAMPLE_IDS))  # kept whole
                 if r.get("run_dir"):  # the disk is the next contender's
                     side = work / "logs" / "sidecars"
                     side.mkdir(exist_ok=True)
