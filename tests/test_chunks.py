@@ -101,3 +101,44 @@ def test_check_chunk_rejects_a_truncated_file(tmp_path):
     path.write_bytes(data[: len(data) - 100])
     with pytest.raises(ChunkFileError):
         check_chunk(path)
+
+
+@pytest.mark.parametrize("codec", ["none", "lossless", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_torch_free_layout_reads_what_the_reader_reads(tmp_path, codec, dtype):
+    """check_chunk reads the header and index tensors with numpy (chunkfile.ChunkLayout):
+    its figures equal ChunkReader's for every codec and dtype."""
+    from hsextract.chunkfile import ChunkLayout
+
+    path = tmp_path / "c.safetensors"
+    meta = dict(META, dtype=str(dtype).removeprefix("torch."))
+    w = ChunkWriter(
+        path, [5, 1, 9], hidden_size=8, n_aux=3, dtype=dtype, metadata=meta, codec=codec
+    )
+    for j, r in enumerate(records(dtype)):
+        w.put(j, *r)
+    w.finish()
+    layout, reader = ChunkLayout(path), ChunkReader(path)
+    assert layout.shapes() == reader.shapes()
+    assert layout.offsets.tolist() == reader.offsets.tolist()
+    assert (layout.raw_bytes(), layout.stored_bytes()) == (
+        reader.raw_bytes(),
+        reader.stored_bytes(),
+    )
+    assert layout.metadata == reader.metadata and layout.record_ids == reader.record_ids
+    info = check_chunk(path, expect_records=3)
+    assert info["tokens"] == 15 and info["codec"] == codec and info["aux_layers"] == [2, 4, 5]
+    if codec == "lossless":
+        assert (layout.frames == reader.frames).all()
+        assert layout.blob_bytes == len(reader._blob)
+
+
+def test_the_manifest_imports_no_torch():
+    """The manifest job runs after the last chunk of every run, so its start is in the run's
+    fixed tail; importing torch was most of it (~2.5 s here, the job took ~4 s on the H200)."""
+    import subprocess
+    import sys
+
+    code = "import sys, hsextract.manifest, hsextract.steps; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import json
 import mmap
 import os
@@ -28,7 +27,13 @@ import numpy as np
 import torch
 
 from hsextract import faults, storage
-from hsextract.errors import HsextractError
+from hsextract.chunkfile import (  # noqa: F401 - re-exported: the structural half
+    _ST_SIZE,
+    _STORED,
+    ChunkFileError,
+    check_chunk,
+    sha256_file,
+)
 
 FORMAT_VERSION = "1"  # the uncompressed layout
 FORMAT_VERSION_CODED = "2"  # lossless or fp8: other tensors (storage.py)
@@ -43,26 +48,6 @@ _ST_DTYPES = {
     torch.int64: "I64",
     torch.uint8: "U8",
 }
-
-
-class ChunkFileError(HsextractError):
-    """A chunk file is not what the contract says."""
-
-
-def sha256_file(path: str | os.PathLike[str], bufsize: int = 16 << 20) -> str:
-    """Hashed straight from a read-only mapping of the file (no copy into a buffer)."""
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        if size:
-            with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as mm:
-                view = memoryview(mm)
-                try:
-                    for a in range(0, size, bufsize):
-                        h.update(view[a : a + bufsize])
-                finally:
-                    view.release()
-    return h.hexdigest()
 
 
 def _splice(
@@ -692,22 +677,6 @@ class ChunkReader:
         return total
 
 
-_ST_SIZE = {"F32": 4, "BF16": 2, "F16": 2, "I32": 4, "I64": 8, "U8": 1, "F8_E4M3": 1}
-_STORED = {
-    "none": ("input_ids", "loss_mask", "offsets", "hidden_states", "aux_hidden_states"),
-    "fp8": (
-        "input_ids",
-        "loss_mask",
-        "offsets",
-        "hidden_states",
-        "aux_hidden_states",
-        "hidden_scales",
-        "aux_scales",
-    ),
-    "lossless": ("input_ids", "loss_mask", "offsets", "frame_start", "frames", "blob"),
-}
-
-
 class ManifestDataset(torch.utils.data.Dataset):
     """A torch Dataset over every record of every chunk in a manifest (lazy, mmap-backed)."""
 
@@ -724,76 +693,6 @@ class ManifestDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor | str]:
         ci, j = self.index[i]
         return self.readers[ci][j]
-
-
-def check_chunk(path: str | os.PathLike[str], expect_records: int | None = None) -> dict:
-    """Structural check of a finished chunk file: tensors, shapes, offsets, metadata, and
-    for a lossless file its frame table (every row of every record covered, once)."""
-    r = ChunkReader(path)
-    shapes = r.shapes()
-    t = int(r.offsets[-1])
-    h = r.hidden_size
-    k = len(r.stored_layers)
-    n = len(r)
-    problems = []
-    if shapes["input_ids"][0] != [t] or shapes["loss_mask"][0] != [t]:
-        problems.append(f"ids/mask length != offsets[-1]={t}")
-    if r.codec in ("none", "fp8"):
-        if shapes["hidden_states"][0] != [t, h]:
-            problems.append(f"hidden_states {shapes['hidden_states'][0]} != [{t}, {h}]")
-        if shapes["aux_hidden_states"][0] != [t, k * h]:
-            problems.append(f"aux_hidden_states {shapes['aux_hidden_states'][0]} != [{t}, {k * h}]")
-    if r.codec == "fp8" and (
-        shapes["hidden_scales"][0] != [t, 1] or shapes["aux_scales"][0] != [t, k]
-    ):
-        problems.append(f"scales {shapes['hidden_scales'][0]}/{shapes['aux_scales'][0]}")
-    if r.codec == "lossless":
-        problems += _frame_problems(r, t, n)
-    if len(r.record_ids) != n:
-        problems.append(f"{len(r.record_ids)} record_ids for {n} records")
-    if expect_records is not None and n != expect_records:
-        problems.append(f"{n} records, expected {expect_records}")
-    if bool((r.offsets[1:] < r.offsets[:-1]).any()) or int(r.offsets[0]) != 0:
-        problems.append("offsets not monotone from 0")
-    for key in ("record_ids", "aux_layers", "hidden_size", "model", "fingerprint", "engine"):
-        if key not in r.metadata:
-            problems.append(f"metadata {key!r} missing")
-    if problems:
-        raise ChunkFileError(f"{path}: " + "; ".join(problems))
-    return {
-        "records": n,
-        "tokens": t,
-        "hidden_size": h,
-        "aux_layers": r.aux_layers,
-        "codec": r.codec,
-        "raw_bytes": r.raw_bytes(),
-        "stored_bytes": r.stored_bytes(),
-    }
-
-
-def _frame_problems(r: ChunkReader, t: int, n: int) -> list[str]:
-    """Each record's rows, for each tensor, tiled by its frames in order; each frame's
-    planes inside the blob.  (Decoding is what proves the bytes: ``hsextract verify``.)"""
-    fs, frames = r.frame_start, r.frames
-    ncol = len(storage.FRAME_COLUMNS)
-    if len(fs) != n + 1 or int(fs[0]) != 0 or int(fs[-1]) != len(frames):
-        return [f"frame_start {len(fs)} entries, {len(frames)} frames, for {n} records"]
-    lens = np.diff(r.offsets.numpy())
-    blob = len(r._blob)
-    for j in range(n):
-        rows = {0: 0, 1: 0}
-        for row in frames[fs[j] : fs[j + 1]]:
-            rec, tensor, r0, nr, at = (int(x) for x in row[:ncol])
-            size = int(np.abs(row[ncol:]).sum())
-            if rec != j or tensor not in rows or r0 != rows[tensor] or nr <= 0:
-                return [f"record {j}: frame {row[:ncol].tolist()} out of order"]
-            if at < 0 or at + size > blob:
-                return [f"record {j}: frame at {at}+{size} outside the {blob}-byte blob"]
-            rows[tensor] += nr
-        want = {0: int(lens[j]), 1: int(lens[j]) if r.stored_layers else 0}
-        if rows != want:
-            return [f"record {j}: frames cover {rows} rows of (hidden, aux), expected {want}"]
-    return []
 
 
 def content_digest_of(path: str | os.PathLike[str]) -> str:

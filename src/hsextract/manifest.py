@@ -17,13 +17,9 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from hsextract.chunks import (
-    ChunkFileError,
-    ChunkReader,
-    check_chunk,
-    content_digest_of,
-    sha256_file,
-)
+# The structural half only: building the manifest, once after the last chunk of every run,
+# reads no states, and importing torch (hsextract.chunks) was most of its time.
+from hsextract.chunkfile import ChunkFileError, check_chunk, sha256_file
 from hsextract.config import fingerprint, public_config, storage_codec
 from hsextract.errors import HsextractError
 from hsextract.records import content_digest, read_index, record_digest
@@ -74,7 +70,7 @@ def build_manifest(sidecars: list[Path], *, stats: Path, index: Path, out: Path,
         except ChunkFileError as exc:
             raise ManifestError(f"chunk {name}: {exc}; {_redo(path)}") from exc
         entry = entries.get(name)
-        file_meta = ChunkReader(path).metadata
+        file_meta = info["metadata"]
         file_digest = file_meta.get("content_digest")
         problem = None
         if entry is None:
@@ -171,6 +167,8 @@ def verify_manifest(path: Path) -> list[str]:
     (digest of its own ids, masks and record ids) the ones the index assigns it, and the
     index's digest that of the train.jsonl lines it points at, each line in one chunk.
     """
+    from hsextract.chunks import content_digest_of  # reads the tensors: torch
+
     path = Path(path)
     root = path.parent
     data = json.loads(path.read_text())
@@ -271,6 +269,8 @@ def _input_problems(root: Path, data: dict) -> list[str]:
 def _decode_problems(f: Path, name: str) -> list[str]:
     """A compressed chunk's frames all decode (the sha256 proves the bytes, not that the
     writer framed them right); an uncompressed one has nothing to decode."""
+    from hsextract.chunks import ChunkReader
+
     try:
         reader = ChunkReader(f)
         if reader.codec == "none":

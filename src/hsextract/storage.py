@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-CODECS = ("none", "lossless", "fp8")
+from hsextract.chunkfile import CODECS, FRAME_COLUMNS  # noqa: F401 - defined beside the layout
+
 #: Raw bytes per lossless frame (rows are never split; a frame holds at least one row).
 FRAME_BYTES = 4 << 20
 #: A plane is stored compressed only if zstd makes it at least this much smaller.
@@ -47,8 +48,6 @@ ZSTD_PARAMS = {
     "strategy": "fast",
 }
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-#: Columns of the lossless frame table before the per-plane lengths.
-FRAME_COLUMNS = ("record", "tensor", "row0", "nrows", "offset")
 
 _local = threading.local()  # zstd contexts are not thread-safe: one per thread
 

@@ -1,0 +1,215 @@
+"""A chunk file's layout, read without torch: its header, metadata and index tensors.
+
+The manifest, which runs once after the last chunk of every run, checks each chunk's
+structure (tensors, shapes, offsets, metadata, the lossless frame table) and reads no
+states; importing torch for that was most of its time (on the H200: ~4 s for the manifest
+job of a 44-chunk race, in the run's fixed tail).  So the structural check lives here,
+on the safetensors header and ``numpy``; :mod:`hsextract.chunks` reads the states.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+
+from hsextract.errors import HsextractError
+
+#: Codecs a chunk may be stored with (storage.py implements them).
+CODECS = ("none", "lossless", "fp8")
+#: Columns of the lossless frame table before the per-plane lengths.
+FRAME_COLUMNS = ("record", "tensor", "row0", "nrows", "offset")
+
+_ST_SIZE = {"F32": 4, "BF16": 2, "F16": 2, "I32": 4, "I64": 8, "U8": 1, "F8_E4M3": 1}
+_ST_NUMPY = {"I32": np.int32, "I64": np.int64, "U8": np.uint8, "F32": np.float32}
+_DTYPE_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+_STORED = {
+    "none": ("input_ids", "loss_mask", "offsets", "hidden_states", "aux_hidden_states"),
+    "fp8": (
+        "input_ids",
+        "loss_mask",
+        "offsets",
+        "hidden_states",
+        "aux_hidden_states",
+        "hidden_scales",
+        "aux_scales",
+    ),
+    "lossless": ("input_ids", "loss_mask", "offsets", "frame_start", "frames", "blob"),
+}
+
+
+class ChunkFileError(HsextractError):
+    """A chunk file is not what the contract says."""
+
+
+def sha256_file(path: str | os.PathLike[str], bufsize: int = 16 << 20) -> str:
+    """Hashed straight from a read-only mapping of the file (no copy into a buffer)."""
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size:
+            with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as mm:
+                view = memoryview(mm)
+                try:
+                    for a in range(0, size, bufsize):
+                        h.update(view[a : a + bufsize])
+                finally:
+                    view.release()
+    return h.hexdigest()
+
+
+class ChunkLayout:
+    """What a chunk file holds, from its safetensors header and small index tensors."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                size = os.fstat(f.fileno()).st_size
+                if not 2 <= n <= size - 8:
+                    raise ValueError(f"header length {n} in a file of {size} bytes")
+                header = json.loads(f.read(n))
+            self._base = 8 + n
+            self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+            self._tensors: dict[str, dict] = header
+            for name, t in header.items():
+                a, b = t["data_offsets"]
+                if not 0 <= a <= b <= size - self._base:
+                    raise ValueError(f"tensor {name} at {a}..{b} past the end")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ChunkFileError(f"{self.path}: not a readable safetensors file: {exc}") from exc
+        self.codec = self.metadata.get("codec", "none")
+        if self.codec not in CODECS:
+            raise ChunkFileError(
+                f"{self.path}: codec {self.codec!r} is not one this hsextract reads "
+                f"({', '.join(CODECS)}); upgrade hsextract"
+            )
+        missing = set(_STORED[self.codec]) - set(self._tensors)
+        if missing:
+            raise ChunkFileError(f"{self.path}: missing tensors {sorted(missing)}")
+        self.offsets = self.array("offsets")
+        self.record_ids: list[str] = json.loads(self.metadata.get("record_ids", "[]"))
+        #: Every layer stored in ``aux_hidden_states``, in order (what the dump captured).
+        self.stored_layers: list[int] = json.loads(self.metadata.get("aux_layers", "[]"))
+        self.hidden_size = int(self.metadata.get("hidden_size", -1))
+        if self.codec == "none":
+            self.esize = _ST_SIZE[self._tensors["hidden_states"]["dtype"]]
+        else:
+            self.esize = _DTYPE_SIZE.get(self.metadata.get("dtype", ""), 2)
+        if self.codec == "lossless":
+            self.frame_start = self.array("frame_start")
+            width = self._tensors["frames"]["shape"]
+            self.frames = self.array("frames").reshape(width)
+            a, b = self._tensors["blob"]["data_offsets"]
+            self.blob_bytes = b - a
+
+    def array(self, name: str) -> np.ndarray:
+        """A small integer tensor of the file (offsets, frame table), read with numpy."""
+        t = self._tensors[name]
+        a, b = t["data_offsets"]
+        dtype = np.dtype(_ST_NUMPY[t["dtype"]])
+        with open(self.path, "rb") as f:
+            f.seek(self._base + a)
+            return np.frombuffer(f.read(b - a), dtype=dtype).copy()
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def shapes(self) -> dict[str, tuple[list[int], str]]:
+        """The tensors as stored (a compressed file has no ``hidden_states`` tensor)."""
+        return {k: (list(v["shape"]), str(v["dtype"])) for k, v in self._tensors.items()}
+
+    def raw_bytes(self) -> int:
+        """What the hidden and aux rows take uncompressed, in the captured dtype."""
+        return int(self.offsets[-1]) * self.hidden_size * (len(self.stored_layers) + 1) * self.esize
+
+    def stored_bytes(self) -> int:
+        names = {
+            "none": ("hidden_states", "aux_hidden_states"),
+            "fp8": ("hidden_states", "aux_hidden_states", "hidden_scales", "aux_scales"),
+            "lossless": ("frames", "blob"),
+        }[self.codec]
+        shapes = self.shapes()
+        return sum(int(np.prod(shapes[n][0])) * _ST_SIZE[shapes[n][1]] for n in names)
+
+
+def check_chunk(path: str | os.PathLike[str], expect_records: int | None = None) -> dict:
+    """Structural check of a finished chunk file: tensors, shapes, offsets, metadata, and
+    for a lossless file its frame table (every row of every record covered, once)."""
+    r = ChunkLayout(path)
+    shapes = r.shapes()
+    t = int(r.offsets[-1])
+    h = r.hidden_size
+    k = len(r.stored_layers)
+    n = len(r)
+    problems = []
+    if shapes["input_ids"][0] != [t] or shapes["loss_mask"][0] != [t]:
+        problems.append(f"ids/mask length != offsets[-1]={t}")
+    if r.codec in ("none", "fp8"):
+        if shapes["hidden_states"][0] != [t, h]:
+            problems.append(f"hidden_states {shapes['hidden_states'][0]} != [{t}, {h}]")
+        if shapes["aux_hidden_states"][0] != [t, k * h]:
+            problems.append(f"aux_hidden_states {shapes['aux_hidden_states'][0]} != [{t}, {k * h}]")
+    if r.codec == "fp8" and (
+        shapes["hidden_scales"][0] != [t, 1] or shapes["aux_scales"][0] != [t, k]
+    ):
+        problems.append(f"scales {shapes['hidden_scales'][0]}/{shapes['aux_scales'][0]}")
+    if r.codec == "lossless":
+        problems += _frame_problems(r, t, n)
+    if len(r.record_ids) != n:
+        problems.append(f"{len(r.record_ids)} record_ids for {n} records")
+    if expect_records is not None and n != expect_records:
+        problems.append(f"{n} records, expected {expect_records}")
+    if bool((r.offsets[1:] < r.offsets[:-1]).any()) or int(r.offsets[0]) != 0:
+        problems.append("offsets not monotone from 0")
+    for key in ("record_ids", "aux_layers", "hidden_size", "model", "fingerprint", "engine"):
+        if key not in r.metadata:
+            problems.append(f"metadata {key!r} missing")
+    if problems:
+        raise ChunkFileError(f"{path}: " + "; ".join(problems))
+    return {
+        "records": n,
+        "tokens": t,
+        "hidden_size": h,
+        "aux_layers": r.stored_layers[:-1] if _prenorm(r) else r.stored_layers,
+        "codec": r.codec,
+        "raw_bytes": r.raw_bytes(),
+        "stored_bytes": r.stored_bytes(),
+        "metadata": r.metadata,
+    }
+
+
+def _prenorm(r: ChunkLayout) -> bool:
+    """With ``prenorm_final`` the last stored block is index L (chunks.ChunkReader)."""
+    n_layers = r.metadata.get("num_layers")
+    return n_layers is not None and int(n_layers) in r.stored_layers
+
+
+def _frame_problems(r: ChunkLayout, t: int, n: int) -> list[str]:
+    """Each record's rows, for each tensor, tiled by its frames in order; each frame's
+    planes inside the blob.  (Decoding is what proves the bytes: ``hsextract verify``.)"""
+    fs, frames = r.frame_start, r.frames
+    ncol = len(FRAME_COLUMNS)
+    if len(fs) != n + 1 or int(fs[0]) != 0 or int(fs[-1]) != len(frames):
+        return [f"frame_start {len(fs)} entries, {len(frames)} frames, for {n} records"]
+    lens = np.diff(r.offsets)
+    blob = r.blob_bytes
+    for j in range(n):
+        rows = {0: 0, 1: 0}
+        for row in frames[fs[j] : fs[j + 1]]:
+            rec, tensor, r0, nr, at = (int(x) for x in row[:ncol])
+            size = int(np.abs(row[ncol:]).sum())
+            if rec != j or tensor not in rows or r0 != rows[tensor] or nr <= 0:
+                return [f"record {j}: frame {row[:ncol].tolist()} out of order"]
+            if at < 0 or at + size > blob:
+                return [f"record {j}: frame at {at}+{size} outside the {blob}-byte blob"]
+            rows[tensor] += nr
+        want = {0: int(lens[j]), 1: int(lens[j]) if r.stored_layers else 0}
+        if rows != want:
+            return [f"record {j}: frames cover {rows} rows of (hidden, aux), expected {want}"]
+    return []
