@@ -129,13 +129,17 @@ class ChunkLayout:
         return int(self.offsets[-1]) * self.hidden_size * (len(self.stored_layers) + 1) * self.esize
 
     def stored_bytes(self) -> int:
-        names = {
-            "none": ("hidden_states", "aux_hidden_states"),
-            "fp8": ("hidden_states", "aux_hidden_states", "hidden_scales", "aux_scales"),
-            "lossless": ("frames", "blob"),
-        }[self.codec]
-        shapes = self.shapes()
-        return sum(int(np.prod(shapes[n][0])) * _ST_SIZE[shapes[n][1]] for n in names)
+        return stored_bytes(self.codec, self.shapes())
+
+
+def stored_bytes(codec: str, shapes: dict[str, tuple[list[int], str]]) -> int:
+    """What a chunk's states take as stored: the tensors that hold them, per codec."""
+    names = {
+        "none": ("hidden_states", "aux_hidden_states"),
+        "fp8": ("hidden_states", "aux_hidden_states", "hidden_scales", "aux_scales"),
+        "lossless": ("frames", "blob"),
+    }[codec]
+    return sum(int(np.prod(shapes[n][0])) * _ST_SIZE[shapes[n][1]] for n in names)
 
 
 def check_chunk(path: str | os.PathLike[str], expect_records: int | None = None) -> dict:

@@ -28,11 +28,11 @@ import torch
 
 from hsextract import faults, storage
 from hsextract.chunkfile import (  # noqa: F401 - re-exported: the structural half
-    _ST_SIZE,
     _STORED,
     ChunkFileError,
     check_chunk,
     sha256_file,
+    stored_bytes,
 )
 
 FORMAT_VERSION = "1"  # the uncompressed layout
@@ -665,16 +665,7 @@ class ChunkReader:
         return int(self.offsets[-1]) * self.hidden_size * (len(self.stored_layers) + 1) * esize
 
     def stored_bytes(self) -> int:
-        names = {
-            "none": ("hidden_states", "aux_hidden_states"),
-            "fp8": ("hidden_states", "aux_hidden_states", "hidden_scales", "aux_scales"),
-            "lossless": ("frames", "blob"),
-        }[self.codec]
-        total = 0
-        for name in names:
-            shape, dtype = self.shapes()[name]
-            total += int(np.prod(shape)) * _ST_SIZE[dtype]
-        return total
+        return stored_bytes(self.codec, self.shapes())
 
 
 class ManifestDataset(torch.utils.data.Dataset):
