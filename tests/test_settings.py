@@ -13,12 +13,15 @@ from snakemake.utils import validate as sm_validate
 from hsextract import settings
 from hsextract.config import (
     SCHEMA_PATH,
+    as_raw,
     fingerprint,
     load_config,
     run_dir,
     settings_digest,
     stage_settings,
+    typed,
 )
+from hsextract.errors import ConfigError
 from hsextract.export.specforge import settings_file as specforge_settings_file
 from hsextract.settings import GROUPS, SETTINGS, STAGES, kinds_with
 from tests.fixtures_demo import REPO, planned_jobs, run_snakemake
@@ -35,6 +38,38 @@ def test_generated_schema_and_readme_table_are_up_to_date():
     assert settings.readme_table() in (REPO / "README.md").read_text(), (
         "README's settings table is stale: paste python -m hsextract.settings --readme-table"
     )
+    types = REPO / "src" / "hsextract" / "config_types.py"
+    assert types.read_text() == settings.python_types(), (
+        "src/hsextract/config_types.py is stale: python -m hsextract.settings --types > "
+        "src/hsextract/config_types.py"
+    )
+
+
+def test_the_typed_config_holds_every_declared_key_as_validated():
+    """typed(cfg): each declared key at its dotted attribute, with the validated value (a
+    list as a tuple); a key left out of the dict gets its declared default."""
+    for path in [REPO / "config.yaml", *sorted((REPO / "configs").glob("*.yaml"))]:
+        cfg = load_config(path)
+        obj = typed(cfg)
+        assert typed(obj) is obj and as_raw(obj) is cfg
+        for key in SETTINGS:
+            want = _get(cfg, key)
+            want = tuple(want) if isinstance(want, list) else want
+            assert _attr(obj, key) == want, f"{path.name}: {key}"
+    bare = {"output_root": "r", "n_chunks": 1, "max_seq_len": 8, "seed": 0, "engine": "sglang"}
+    obj = typed({**bare, "model": {"path": "m", "dtype": "bfloat16"}})
+    for s in SETTINGS.values():
+        if not s.required:
+            want = tuple(s.default) if isinstance(s.default, list) else s.default
+            assert _attr(obj, s.key) == want, s.key
+    with pytest.raises(ConfigError, match="model"):
+        typed(bare)
+
+
+def _attr(obj, key: str):
+    for p in key.split("."):
+        obj = getattr(obj, p)
+    return obj
 
 
 def _leaves(cfg: dict, prefix: str = "") -> set[str]:

@@ -1,8 +1,15 @@
-"""Config loading, derived values and the run fingerprint.
+"""Config loading, the typed config, derived values and the run fingerprint.
 
 The fingerprint is computed from the config alone (not from files on disk) so Snakemake
 can place every output under ``<output_root>/<fingerprint>/`` at parse time, before the
 demo model exists.  It covers everything that changes the numbers written.
+
+The code reads the config typed (:func:`typed`: ``cfg.server.host``, the dataclasses
+generated from hsextract.settings into hsextract.config_types); the raw dict stays where
+the config enters (Snakemake's ``config``, :func:`load_config`, the validation here) and
+where a digest is taken of it (:func:`fingerprint_payload`, :func:`launch_settings`):
+those hash the dict as written, so a run made before the typed config stays current.
+Every function here takes either.
 """
 
 from __future__ import annotations
@@ -13,13 +20,19 @@ import hashlib
 import json
 import os
 import re
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from hsextract.config_types import Config
 from hsextract.convention import CAPTURE_CONVENTION, default_aux_layers, prenorm_layer
 from hsextract.errors import ConfigError
+from hsextract.settings import GROUPS, class_name
+
+#: A config as the workflow hands it over (a validated dict) or as the code reads it.
+AnyConfig = Config | dict
 
 #: Bump when the capture convention or file layout changes what a run writes.
 FORMAT_VERSION = "1"
@@ -41,6 +54,49 @@ def load_config(path: str | os.PathLike[str], overrides: dict[str, Any] | None =
         node[parts[-1]] = value
     validate(cfg)
     return cfg
+
+
+def typed(cfg: AnyConfig) -> Config:
+    """The config as typed objects, each declared default filled where a key is absent
+    (a config the schema validated has them all already); a Config is returned as is.
+
+    Lists become tuples (the objects are frozen).  Keys the declarations do not name are
+    left out: the schema refuses them where a config enters, and a config recorded by an
+    older release (a manifest's) may hold one.  ``raw`` keeps the dict for the digests.
+    """
+    if isinstance(cfg, Config):
+        return cfg
+    try:
+        return _build("", cfg, raw=cfg)
+    except TypeError as exc:  # a required key is missing: the dataclass names it
+        raise ConfigError(f"the config is incomplete: {exc}") from None
+
+
+def _build(prefix: str, values: dict, **extra: Any) -> Any:
+    from dataclasses import fields
+
+    from hsextract import config_types
+
+    cls = getattr(config_types, class_name(prefix))
+    kwargs: dict[str, Any] = {}
+    for f in fields(cls):
+        if f.name not in values or f.name in extra:
+            continue
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        value = values[f.name]
+        if key in GROUPS:
+            value = _build(key, value or {})
+        elif isinstance(value, list):
+            value = tuple(value)
+        elif isinstance(value, dict):
+            value = dict(value)
+        kwargs[f.name] = value
+    return cls(**kwargs, **extra)
+
+
+def as_raw(cfg: AnyConfig) -> dict:
+    """The dict a config was built from: what the digests are taken of."""
+    return cfg.raw if isinstance(cfg, Config) else cfg
 
 
 def validate(cfg: dict) -> dict:
@@ -95,28 +151,29 @@ def _coerce(value: Any, schema: dict) -> Any:
 
 def check_semantics(cfg: dict) -> None:
     """Cross-key rules a JSON schema cannot express."""
-    server = cfg.get("server", {})
-    host = server.get("host", "127.0.0.1")
+    server = typed(cfg).server
+    host = server.host
     if not is_loopback(host):
-        if not server.get("allow_remote"):
+        if not server.allow_remote:
             raise ConfigError(
                 f"server.host={host!r} is not loopback; set server.allow_remote: true "
                 "and server.api_key to expose the extraction server"
             )
-        if not server.get("api_key"):
+        if not server.api_key:
             raise ConfigError(f"server.host={host!r} is not loopback: server.api_key is required")
-    cps = server.get("chunked_prefill_size", -1)
+    cps = server.chunked_prefill_size
     if cps not in (-1,) and cps < 1:
         raise ConfigError(f"server.chunked_prefill_size must be -1 (off) or >= 1, got {cps}")
-    if cfg.get("aux_layers") is not None and len(set(cfg["aux_layers"])) != len(cfg["aux_layers"]):
-        raise ConfigError(f"aux_layers has duplicates: {cfg['aux_layers']}")
+    layers = typed(cfg).aux_layers
+    if layers is not None and len(set(layers)) != len(layers):
+        raise ConfigError(f"aux_layers has duplicates: {list(layers)}")
     check_demo(cfg)
     check_dump_dir(cfg)
 
 
-def demo_inputs(cfg: dict) -> str:
+def demo_inputs(cfg: AnyConfig) -> str:
     """The glob of the shards the demo generates (rules/common.smk, ``demo_shards``)."""
-    return os.path.normpath(f"{cfg['output_root']}/demo/data/shard_*.jsonl")
+    return os.path.normpath(f"{typed(cfg).output_root}/demo/data/shard_*.jsonl")
 
 
 def check_demo(cfg: dict) -> None:
@@ -131,8 +188,9 @@ def check_demo(cfg: dict) -> None:
     new, empty or the demo's own (``demo.demo_model_refusal``): the demo never writes over
     or removes files it did not create.
     """
-    inputs = cfg.get("inputs") or []
-    if not (cfg.get("demo") or {}).get("enabled"):
+    c = typed(cfg)
+    inputs = list(c.inputs or [])
+    if not c.demo.enabled:
         if not inputs:
             raise ConfigError(
                 "inputs is not set: list the JSON-lines shards to extract (paths or globs), "
@@ -152,7 +210,7 @@ def check_demo(cfg: dict) -> None:
         )
     from hsextract.demo import demo_model_refusal
 
-    why = demo_model_refusal(Path(cfg["model"]["path"]))
+    why = demo_model_refusal(Path(c.model.path))
     if why:
         raise ConfigError(why)
 
@@ -229,7 +287,7 @@ def name_list(names: list[str], most: int = 5) -> str:
 
 def check_dump_dir(cfg: dict) -> None:
     """A configured dump.dir that would hold someone's files is refused at planning."""
-    configured = (cfg.get("dump") or {}).get("dir")
+    configured = typed(cfg).dump.dir
     if configured:
         why = dump_dir_refusal(Path(configured))
         if why:
@@ -240,8 +298,8 @@ def is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def resolve_aux_layers(cfg: dict, num_layers: int) -> list[int]:
-    layers = cfg.get("aux_layers")
+def resolve_aux_layers(cfg: AnyConfig, num_layers: int) -> list[int]:
+    layers = typed(cfg).aux_layers
     layers = default_aux_layers(num_layers) if layers is None else list(layers)
     for layer in layers:
         if not 0 <= layer < num_layers:
@@ -249,32 +307,35 @@ def resolve_aux_layers(cfg: dict, num_layers: int) -> list[int]:
     return layers
 
 
-def captured_layers(cfg: dict, num_layers: int) -> list[int]:
+def captured_layers(cfg: AnyConfig, num_layers: int) -> list[int]:
     """What a dump holds as aux, in order: the EAGLE-3 layers, then with ``prenorm_final``
     the stream before the final norm (index L, :func:`convention.prenorm_layer`)."""
     layers = resolve_aux_layers(cfg, num_layers)
-    return [*layers, prenorm_layer(num_layers)] if cfg.get("prenorm_final") else layers
+    return [*layers, prenorm_layer(num_layers)] if typed(cfg).prenorm_final else layers
 
 
-def server_aux_layers(cfg: dict) -> list[int] | None:
+def server_aux_layers(cfg: AnyConfig) -> list[int] | None:
     """The aux layers a server must be told, or None to let it use the EAGLE-3 default
     (no model config is read then: the default is computed where the model is loaded)."""
-    if cfg.get("prenorm_final"):
-        return captured_layers(cfg, int(read_model_config(cfg)["num_hidden_layers"]))
-    return None if cfg.get("aux_layers") is None else list(cfg["aux_layers"])
+    c = typed(cfg)
+    if c.prenorm_final:
+        return captured_layers(c, int(read_model_config(c)["num_hidden_layers"]))
+    return None if c.aux_layers is None else list(c.aux_layers)
 
 
-def read_model_config(cfg: dict) -> dict:
+def read_model_config(cfg: AnyConfig) -> dict:
     """The model's HF config.json (its text part for multimodal checkpoints)."""
-    data = json.loads((Path(cfg["model"]["path"]) / "config.json").read_text())
+    data = json.loads((Path(typed(cfg).model.path) / "config.json").read_text())
     return data.get("text_config", data)
 
 
-def model_identity(cfg: dict) -> dict:
+def model_identity(cfg: AnyConfig) -> dict:
     """What names the model's weights: the path, a revision tag, and the demo recipe.
 
     The path as configured, not resolved: a copied or moved project keeps its run dirs.
+    The dict as written (:func:`as_raw`), as for the whole fingerprint.
     """
+    cfg = as_raw(cfg)
     ident: dict[str, Any] = {
         "path": os.path.normpath(cfg["model"]["path"]),
         "revision": cfg["model"].get("revision"),
@@ -289,7 +350,7 @@ def model_identity(cfg: dict) -> dict:
     return ident
 
 
-def fingerprint_payload(cfg: dict) -> dict:
+def fingerprint_payload(cfg: AnyConfig) -> dict:
     """Everything that changes the numbers a record's hidden states hold: the run dir's name.
 
     Deliberately not here (README, "What each setting changes"): the records themselves
@@ -297,7 +358,11 @@ def fingerprint_payload(cfg: dict) -> dict:
     them, so only chunks whose records changed are re-extracted), how the server runs
     (chunked prefill, batching, SGLang flags: the launch spec, recorded per chunk), and
     the hsextract version (an upgrade alone must not orphan a multi-TB run).
+
+    Taken of the dict as written, not of the typed config: keys absent from an old run's
+    config (``storage``, ``prenorm_final``) must stay absent from its payload.
     """
+    cfg = as_raw(cfg)
     payload = {
         "model": model_identity(cfg),
         "aux_layers": cfg.get("aux_layers"),
@@ -316,25 +381,28 @@ def fingerprint_payload(cfg: dict) -> dict:
     return payload
 
 
-def storage_codec(cfg: dict) -> str:
-    """The chunk codec (a config without ``storage``, as written before codecs, is none)."""
-    return str((cfg.get("storage") or {}).get("codec", "none"))
+def storage_codec(cfg: AnyConfig) -> str:
+    """The chunk codec: a config without ``storage``, as written before codecs, is none (not
+    the declared default, lossless, which the schema fills in every config validated now)."""
+    return str((as_raw(cfg).get("storage") or {}).get("codec", "none"))
 
 
-def fingerprint(cfg: dict) -> str:
+def fingerprint(cfg: AnyConfig) -> str:
     """A short hash of :func:`fingerprint_payload`."""
     blob = json.dumps(fingerprint_payload(cfg), sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
-def launch_settings(cfg: dict) -> dict[str, Any]:
+def launch_settings(cfg: AnyConfig) -> dict[str, Any]:
     """What the extraction server is started with, beyond what the fingerprint names.
 
     A change takes effect at the next launch (``launch_server`` reruns on it, and
     ``ensure()`` replaces a live server started with other settings); finished chunks
     are kept, and each chunk's sidecar records the settings that produced it.  No
     secrets: the API key only as set or not (the client's key is checked by /health).
+    The dict as written (:func:`as_raw`): its digest names a settings file of every run.
     """
+    cfg = as_raw(cfg)
     server = cfg["server"]
     out: dict[str, Any] = {
         "engine": cfg["engine"],
@@ -374,54 +442,55 @@ def settings_digest(settings: dict[str, Any]) -> str:
     ]
 
 
-def run_dir(cfg: dict) -> Path:
-    return Path(cfg["output_root"]) / fingerprint(cfg)
+def run_dir(cfg: AnyConfig) -> Path:
+    return Path(typed(cfg).output_root) / fingerprint(cfg)
 
 
-def dump_dir(cfg: dict) -> Path:
+def dump_dir(cfg: AnyConfig) -> Path:
     """Per-user, per-run dump dir on /dev/shm unless configured; never shared between users.
 
     The output root's hash is in the name too: two checkouts of the same config on one
     host must not share (or stale-delete) each other's in-flight pieces.
     """
-    configured = cfg.get("dump", {}).get("dir")
+    configured = typed(cfg).dump.dir
     if configured:
         return Path(configured)
     name = f"hsextract-{getpass.getuser()}-{os.getuid()}-{fingerprint(cfg)}-{output_root_tag(cfg)}"
     return Path("/dev/shm") / name
 
 
-def output_root_tag(cfg: dict) -> str:
+def output_root_tag(cfg: AnyConfig) -> str:
     """A short hash of the resolved output root: two checkouts never share a dump dir."""
-    return hashlib.sha256(str(Path(cfg["output_root"]).resolve()).encode()).hexdigest()[:6]
+    return hashlib.sha256(str(Path(typed(cfg).output_root).resolve()).encode()).hexdigest()[:6]
 
 
-def public_config(cfg: dict) -> dict:
-    """The config with secrets masked, for state files and logs."""
-    out = copy.deepcopy(cfg)
+def public_config(cfg: AnyConfig) -> dict:
+    """The config as written, secrets masked, for state files and logs."""
+    out = copy.deepcopy(as_raw(cfg))
     if out.get("server", {}).get("api_key"):
         out["server"]["api_key"] = "***"
     return out
 
 
-def demo_shards(cfg: dict) -> list[str]:
+def demo_shards(cfg: AnyConfig) -> list[str]:
     """The demo's shard paths (demo_data writes them)."""
-    root = cfg["output_root"]
-    return [f"{root}/demo/data/shard_{i:02d}.jsonl" for i in range(cfg["demo"]["n_shards"])]
+    c = typed(cfg)
+    return [f"{c.output_root}/demo/data/shard_{i:02d}.jsonl" for i in range(c.demo.n_shards)]
 
 
-def input_shards(cfg: dict) -> list[str]:
+def input_shards(cfg: AnyConfig) -> list[str]:
     """The demo's shards, or every file the configured paths and globs match: the
     library's one expansion (records.resolve_inputs: `**` recursive, sorted, each file
     once), so the workflow merges exactly the shards `hsextract plan` and the merge see."""
     from hsextract.records import resolve_inputs
 
-    if cfg["demo"]["enabled"]:
-        return demo_shards(cfg)
-    return [str(p) for p in resolve_inputs(cfg["inputs"])]
+    c = typed(cfg)
+    if c.demo.enabled:
+        return demo_shards(c)
+    return [str(p) for p in resolve_inputs(list(c.inputs or []))]
 
 
-def stage_settings(cfg: dict) -> dict[str, dict[str, Any]]:
+def stage_settings(cfg: AnyConfig) -> dict[str, dict[str, Any]]:
     """What each stage's outputs depend on beyond its input files, by stage (merge, split,
     launch, stale, and with the demo demo_data and demo_model): rules/common.smk names each
     in a settings file, and tests/test_settings.py checks every key's kind against them.
@@ -433,34 +502,35 @@ def stage_settings(cfg: dict) -> dict[str, dict[str, Any]]:
     """
     from hsextract.records import ASSIGNMENT, identity_as_made, input_identity
 
-    demo = cfg["demo"]
+    c = typed(cfg)
+    demo = asdict(c.demo)
     out: dict[str, dict[str, Any]] = {}
-    if demo["enabled"]:
+    if c.demo.enabled:
         out["demo_data"] = {
             "demo": {k: demo[k] for k in ("seed", "n_records", "n_shards", "vocab_size")},
-            "max_seq_len": cfg["max_seq_len"],
+            "max_seq_len": c.max_seq_len,
         }
         out["demo_model"] = {
             "demo": {k: demo[k] for k in ("seed", "num_hidden_layers", "hidden_size", "vocab_size")}
         }
-        made_file = Path(demo_data_settings_file(cfg, out["demo_data"]))
+        made_file = Path(demo_data_settings_file(c, out["demo_data"]))
         made = json.loads(made_file.read_text()).get("shards") if made_file.exists() else None
-        inputs: list = identity_as_made(input_shards(cfg), made)
+        inputs: list = identity_as_made(input_shards(c), made)
     else:
-        inputs = input_identity(input_shards(cfg))
+        inputs = input_identity(input_shards(c))
     out["merge"] = {
-        "max_seq_len": cfg["max_seq_len"],
-        "overlength": cfg["merge"]["overlength"],
-        "seed": cfg["seed"],
+        "max_seq_len": c.max_seq_len,
+        "overlength": c.merge.overlength,
+        "seed": c.seed,
         "inputs": inputs,
     }
-    out["split"] = {"n_chunks": cfg["n_chunks"], "assignment": ASSIGNMENT}
-    out["launch"] = launch_settings(cfg)
+    out["split"] = {"n_chunks": c.n_chunks, "assignment": ASSIGNMENT}
+    out["launch"] = launch_settings(c)
     # A changed stale.* setting reruns delete_stale_states, so that stale.delete_finished:
     # true deletes what the plan printed at startup says it will.
-    out["stale"] = dict(cfg["stale"])
+    out["stale"] = asdict(c.stale)
     return out
 
 
-def demo_data_settings_file(cfg: dict, values: dict[str, Any]) -> str:
-    return f"{cfg['output_root']}/demo/data/settings-{settings_digest(values)}.json"
+def demo_data_settings_file(cfg: AnyConfig, values: dict[str, Any]) -> str:
+    return f"{typed(cfg).output_root}/demo/data/settings-{settings_digest(values)}.json"
