@@ -16,6 +16,7 @@ from hsextract.config import (
     run_dir,
     settings_digest,
     stage_settings,
+    typed,
 )
 from hsextract.config import demo_shards as config_demo_shards
 from hsextract.config import input_shards as config_input_shards
@@ -35,13 +36,16 @@ from hsextract.stale import hold_run_lock, preview
 coerce_to_schema(config)  # --config aux_layers=[1,3,5] arrives as strings
 validate(config, schema="../schemas/config.schema.yaml", set_default=True)
 check_semantics(config)
+# The rules read the config typed (CFG.server.host); the dict stays Snakemake's, for the
+# scripts (steps.py types it again) and for what is hashed of it as written.
+CFG = typed(config)
 
-RUN = run_dir(config)
+RUN = run_dir(CFG)
 # What one server takes: a chunk job's GPUs (its group's allocation under SLURM asks this).
-SERVER_GPUS = server_gpu_count(config)
-FINGERPRINT = fingerprint(config)
-CHUNK_IDS = [f"{i:05d}" for i in range(config["n_chunks"])]
-MODEL_DIR = Path(config["model"]["path"])
+SERVER_GPUS = server_gpu_count(CFG)
+FINGERPRINT = fingerprint(CFG)
+CHUNK_IDS = [f"{i:05d}" for i in range(CFG.n_chunks)]
+MODEL_DIR = Path(CFG.model.path)
 
 # Servers started by this workflow are owned by this process: the watchdog stops them
 # when it exits.  Jobs inherit the variables; a nested Snakemake keeps its parent's owner,
@@ -71,11 +75,11 @@ def run_path(*parts):
 
 
 def demo_shards():
-    return config_demo_shards(config)
+    return config_demo_shards(CFG)
 
 
 def input_shards(wildcards=None):
-    return config_input_shards(config)
+    return config_input_shards(CFG)
 
 
 def chunk_inputs(wildcards):
@@ -101,17 +105,16 @@ def chunk_inputs(wildcards):
 # output, so the stage reruns -- from file names alone, with or without Snakemake's
 # metadata (.snakemake/, which the params trigger needs and which a copied run dir, or one
 # whose .snakemake was removed to clear a lock, does not have).
-DEMO = config["demo"]
 MERGE_INPUTS = input_shards()
-STAGE_SETTINGS = stage_settings(config)
+STAGE_SETTINGS = stage_settings(CFG)
 MERGE_SETTINGS = STAGE_SETTINGS["merge"]
 SPLIT_SETTINGS = STAGE_SETTINGS["split"]
 LAUNCH_SETTINGS = STAGE_SETTINGS["launch"]
 STALE_SETTINGS = STAGE_SETTINGS["stale"]
-if DEMO["enabled"]:
+if CFG.demo.enabled:
     DEMO_DATA_SETTINGS = STAGE_SETTINGS["demo_data"]
     DEMO_MODEL_SETTINGS = STAGE_SETTINGS["demo_model"]
-    DEMO_DATA_SETTINGS_FILE = demo_data_settings_file(config, DEMO_DATA_SETTINGS)
+    DEMO_DATA_SETTINGS_FILE = demo_data_settings_file(CFG, DEMO_DATA_SETTINGS)
     DEMO_MODEL_SETTINGS_FILE = str(
         MODEL_DIR / f"settings-{settings_digest(DEMO_MODEL_SETTINGS)}.json"
     )
@@ -133,7 +136,7 @@ def settings_files():
         settings_file("state", "launch", LAUNCH_SETTINGS),
         stale_settings_file(),
     ]
-    if DEMO["enabled"]:
+    if CFG.demo.enabled:
         files += [DEMO_DATA_SETTINGS_FILE, DEMO_MODEL_SETTINGS_FILE]
     return files
 
@@ -145,15 +148,15 @@ def model_config_file():
 def show_stale_plan():
     """What delete_stale_states would remove and keep, printed at planning (also for -n)."""
     lines = preview(
-        Path(config["output_root"]),
+        Path(CFG.output_root),
         RUN,
-        dump_root=dump_dir(config).parent,
-        keep_runs=config["stale"]["keep_runs"],
-        delete_finished=config["stale"]["delete_finished"],
+        dump_root=dump_dir(CFG).parent,
+        keep_runs=CFG.stale.keep_runs,
+        delete_finished=CFG.stale.delete_finished,
     )
     if lines:
-        mode = " (stale.dry_run: reported only)" if config["stale"]["dry_run"] else ""
-        print(f"hsextract: stale states under {config['output_root']}{mode}:", file=sys.stderr)
+        mode = " (stale.dry_run: reported only)" if CFG.stale.dry_run else ""
+        print(f"hsextract: stale states under {CFG.output_root}{mode}:", file=sys.stderr)
         print("\n".join(lines), file=sys.stderr)
         if any(line.startswith("  remove") for line in lines) and stale_deletion_done():
             # Snakemake reruns it when its settings or the chunk index change, not because
@@ -192,12 +195,12 @@ def stop_servers():
     if stop_live(RUN / "state"):
         print(f"hsextract: stopped the extraction server of {RUN}")
     forget_finished_jobs(RUN / "state")  # servers of SLURM jobs died with their job
-    remove_dump_dir_if_empty(dump_dir(config))
+    remove_dump_dir_if_empty(dump_dir(CFG))
 
 
 def speculators_prenorm(wildcards):
     """export_speculators_chunk's chunk file, or a plan-time error without prenorm_final."""
-    if not config.get("prenorm_final"):
+    if not CFG.prenorm_final:
         raise ValueError(
             "export_speculators needs the pre-norm final state: set prenorm_final: true "
             "(a new run dir; the current one is kept) and run the target again"

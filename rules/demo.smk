@@ -1,7 +1,7 @@
 # The embedded default builds its own inputs and model; real configs set demo.enabled false.
 # Each names its settings in an output (see settings_file in common.smk): a change of one
 # rebuilds what it changes and nothing else.
-if config["demo"]["enabled"]:
+if CFG.demo.enabled:
 
     rule demo_data:
         localrule: True
@@ -9,12 +9,12 @@ if config["demo"]["enabled"]:
             shards=demo_shards(),
             settings=DEMO_DATA_SETTINGS_FILE,
         log:
-            f"{config['output_root']}/demo/logs/demo_data.log",
+            f"{CFG.output_root}/demo/logs/demo_data.log",
         benchmark:
-            f"{config['output_root']}/demo/benchmarks/demo_data.tsv"
+            f"{CFG.output_root}/demo/benchmarks/demo_data.tsv"
         params:
             demo=DEMO_DATA_SETTINGS["demo"],
-            max_seq_len=config["max_seq_len"],
+            max_seq_len=CFG.max_seq_len,
         conda:
             "../envs/hsextract.yaml"
         script:
@@ -27,9 +27,9 @@ if config["demo"]["enabled"]:
             weights=str(MODEL_DIR / "model.safetensors"),
             settings=DEMO_MODEL_SETTINGS_FILE,
         log:
-            f"{config['output_root']}/demo/logs/demo_model.log",
+            f"{CFG.output_root}/demo/logs/demo_model.log",
         benchmark:
-            f"{config['output_root']}/demo/benchmarks/demo_model.tsv"
+            f"{CFG.output_root}/demo/benchmarks/demo_model.tsv"
         params:
             demo=DEMO_MODEL_SETTINGS["demo"],
         conda:

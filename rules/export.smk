@@ -7,7 +7,7 @@
 # compression setting like every stage's (common.smk), so changing it redoes every chunk.
 from hsextract.export.specforge import settings_file as specforge_settings_file
 
-SPECFORGE_GZIP = config["export"]["specforge"]["gzip"]
+SPECFORGE_GZIP = CFG.export.specforge.gzip
 SPECFORGE_SETTINGS = str(specforge_settings_file(RUN / "export" / "specforge", SPECFORGE_GZIP))
 
 

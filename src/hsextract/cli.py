@@ -19,20 +19,24 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from hsextract.errors import HsextractError
 
+if TYPE_CHECKING:
+    from hsextract.config import Config
 
-def _load(args: argparse.Namespace) -> dict:
-    from hsextract.config import load_config
+
+def _load(args: argparse.Namespace) -> Config:
+    from hsextract.config import load_config, typed
 
     overrides = {}
     for item in args.config or []:
         key, _, value = item.partition("=")
         overrides[key] = yaml.safe_load(value)
-    return load_config(args.configfile, overrides)
+    return typed(load_config(args.configfile, overrides))
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:

@@ -39,6 +39,7 @@ from hsextract.errors import HsextractError
 from hsextract.stats import LayerStats, layer_names
 
 if TYPE_CHECKING:
+    from hsextract.config import AnyConfig, Config
     from hsextract.status import ProgressFile
 
 log = logging.getLogger("hsextract")
@@ -76,22 +77,23 @@ class Geometry:
         )
 
 
-def model_geometry(cfg: dict) -> Geometry:
-    from hsextract.config import captured_layers, read_model_config
+def model_geometry(cfg: AnyConfig) -> Geometry:
+    from hsextract.config import captured_layers, read_model_config, typed
     from hsextract.engine import DTYPES
 
+    cfg = typed(cfg)
     try:
         mcfg = read_model_config(cfg)
     except (OSError, ValueError) as exc:
         raise ExtractionError(
-            f"cannot read the model config in {cfg['model']['path']}: {exc} (model.path)"
+            f"cannot read the model config in {cfg.model.path}: {exc} (model.path)"
         ) from exc
     layers = int(mcfg["num_hidden_layers"])
     return Geometry(
         hidden_size=int(mcfg["hidden_size"]),
         num_layers=layers,
         aux_layers=captured_layers(cfg, layers),
-        dtype=DTYPES[cfg["model"]["dtype"]],
+        dtype=DTYPES[cfg.model.dtype],
     )
 
 
@@ -382,10 +384,12 @@ def _all_finite(t: torch.Tensor) -> bool:
 class Client:
     """One chunk's worth of requests against a server described by its live state."""
 
-    def __init__(self, cfg: dict, geo: Geometry, ensure: Callable[[], dict]) -> None:
+    def __init__(self, cfg: AnyConfig, geo: Geometry, ensure: Callable[[], dict]) -> None:
         import requests
 
-        self.cfg = cfg
+        from hsextract.config import typed
+
+        self.cfg = cfg = typed(cfg)
         self.geo = geo
         self.ensure = ensure
         self.state = ensure()
@@ -400,14 +404,12 @@ class Client:
         pool = HTTPAdapter(pool_connections=1, pool_maxsize=max(10, requests_in_flight(cfg)))
         self.session.mount("http://", pool)
         self.session.mount("https://", pool)
-        key = cfg["server"].get("api_key")
-        if key:
-            self.session.headers["Authorization"] = f"Bearer {key}"
-        c = cfg["client"]
-        self.timeout = float(c["request_timeout_s"])
-        self.piece_timeout = float(c["piece_timeout_s"])
-        self.retries = int(c["retries"])
-        self.backoff = float(c["backoff_s"])
+        if cfg.server.api_key:
+            self.session.headers["Authorization"] = f"Bearer {cfg.server.api_key}"
+        self.timeout = float(cfg.client.request_timeout_s)
+        self.piece_timeout = float(cfg.client.piece_timeout_s)
+        self.retries = cfg.client.retries
+        self.backoff = float(cfg.client.backoff_s)
         self.dump_dir = Path(self.state["spec"]["dump_dir"])
         self._lock = threading.Lock()
         #: Set when the chunk has failed: no new attempts, no retries.
@@ -536,7 +538,7 @@ class Client:
 
 
 def extract_chunk(
-    cfg: dict,
+    cfg: AnyConfig,
     *,
     chunk_path: Path,
     index_path: Path | None,
@@ -551,12 +553,13 @@ def extract_chunk(
     While it runs, ``hidden/.chunk_<i>.progress.json`` says how far it got (for
     ``hsextract status``); it is removed when the chunk ends, whichever way.
     """
+    from hsextract.config import typed
     from hsextract.status import ProgressFile
 
     tracker = ProgressFile(Path(out_path))
     try:
         return _extract_chunk(
-            cfg,
+            typed(cfg),
             chunk_path=chunk_path,
             index_path=index_path,
             merged_path=merged_path,
@@ -571,7 +574,7 @@ def extract_chunk(
 
 
 def _extract_chunk(
-    cfg: dict,
+    cfg: Config,
     *,
     chunk_path: Path,
     index_path: Path | None,
@@ -595,7 +598,7 @@ def _extract_chunk(
     records = load_chunk(
         Path(chunk_path),
         index,
-        max_seq_len=int(cfg["max_seq_len"]),
+        max_seq_len=cfg.max_seq_len,
         merged=Path(merged_path) if merged_path else None,
     )
     digest = records_digest(records)
@@ -608,7 +611,7 @@ def _extract_chunk(
             )
     geo = model_geometry(cfg)
     budget_bytes = shm_budget_bytes(cfg)  # per DP replica (hsextract.dp)
-    cps = int(cfg["server"]["chunked_prefill_size"])
+    cps = cfg.server.chunked_prefill_size
 
     def need(rec: Record) -> int:
         return geo.dump_bytes(len(rec.input_ids), cps)
@@ -618,7 +621,7 @@ def _extract_chunk(
         raise ExtractionError(
             f"chunk {name}: the longest record ({longest_rec.id!r}, "
             f"{len(longest_rec.input_ids)} tokens) needs {need(longest_rec) / 2**20:.2f} MiB "
-            f"of dump space, more than dump.shm_budget_gb={cfg['dump']['shm_budget_gb']}"
+            f"of dump space, more than dump.shm_budget_gb={cfg.dump.shm_budget_gb}"
             f"{budget_keys(cfg)} ({budget_bytes / 2**20:.2f} MiB); raise it"
         )
     client = Client(cfg, geo, ensure)
@@ -631,10 +634,10 @@ def _extract_chunk(
         "aux_layers": json.dumps(geo.aux_layers),
         "hidden_size": str(geo.hidden_size),
         "num_layers": str(geo.num_layers),
-        "model": str(cfg["model"]["path"]),
+        "model": str(cfg.model.path),
         "fingerprint": fp,
-        "engine": cfg["engine"],
-        "dtype": cfg["model"]["dtype"],
+        "engine": cfg.engine,
+        "dtype": cfg.model.dtype,
         "chunk": name,
         "content_digest": digest,
     }
@@ -662,7 +665,7 @@ def _extract_chunk(
 
     # A turn to send (client.sending_jobs per dump dir), held until the last record is
     # sent: this job's writes, fsync and sha256 then overlap a waiting job's requests.
-    turn = SendingTurn(client.dump_dir, int(cfg["client"]["sending_jobs"]))
+    turn = SendingTurn(client.dump_dir, cfg.client.sending_jobs)
     started = itertools.count(1)
     first_error: list[BaseException] = []
     chunk_stats = LayerStats(layer_names(geo.aux_layers, geo.num_layers))
@@ -743,7 +746,7 @@ def _extract_chunk(
         "fingerprint": fp,
         "content_digest": digest,
         "aux_layers": geo.aux_layers,
-        "engine": cfg["engine"],
+        "engine": cfg.engine,
         "server_url": client.state["url"],
         # Which server produced these numbers: a chunk done before a settings change keeps
         # the record of the settings it was done with.

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from hsextract.config import AnyConfig, typed
 from hsextract.errors import ConfigError
 
 #: How a DP worker names itself: SGLang's schedulers set their process title
@@ -35,42 +36,43 @@ SGLANG_WORKER_TITLE = "sglang::scheduler"
 REFERENCE_WORKER_COMM = "hsref::dp"
 
 
-def dp_size(cfg: dict) -> int:
+def dp_size(cfg: AnyConfig) -> int:
     """Data-parallel workers of the one server (``sglang.dp_size``; both engines)."""
-    value = (cfg.get("sglang") or {}).get("dp_size", 1)
+    value = typed(cfg).sglang.dp_size
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"sglang.dp_size must be an integer >= 1, got {value!r}")
     return value
 
 
-def tp_size(cfg: dict) -> int:
-    return int((cfg.get("sglang") or {}).get("tp_size", 1)) if cfg["engine"] == "sglang" else 1
+def tp_size(cfg: AnyConfig) -> int:
+    c = typed(cfg)
+    return c.sglang.tp_size if c.engine == "sglang" else 1
 
 
-def server_gpu_count(cfg: dict) -> int:
+def server_gpu_count(cfg: AnyConfig) -> int:
     """GPUs one server takes (a chunk job's ``gpu`` resource): dp x tp; 0 on the
     reference engine, which runs on CPU unless ``server.device`` says otherwise."""
-    return dp_size(cfg) * tp_size(cfg) if cfg["engine"] == "sglang" else 0
+    return dp_size(cfg) * tp_size(cfg) if typed(cfg).engine == "sglang" else 0
 
 
-def requests_in_flight(cfg: dict) -> int:
+def requests_in_flight(cfg: AnyConfig) -> int:
     """Requests one chunk job keeps in flight: ``client.requests_in_flight`` per replica."""
-    return int(cfg["client"]["requests_in_flight"]) * dp_size(cfg)
+    return typed(cfg).client.requests_in_flight * dp_size(cfg)
 
 
-def shm_budget_bytes(cfg: dict) -> int:
+def shm_budget_bytes(cfg: AnyConfig) -> int:
     """The dump dir's byte budget shared by a node's chunk jobs: ``dump.shm_budget_gb``
     per replica (its in-flight requests' pieces scale with the replicas)."""
-    return int(float(cfg["dump"]["shm_budget_gb"]) * 2**30) * dp_size(cfg)
+    return int(float(typed(cfg).dump.shm_budget_gb) * 2**30) * dp_size(cfg)
 
 
-def budget_keys(cfg: dict) -> str:
+def budget_keys(cfg: AnyConfig) -> str:
     """How the two figures above were reached, for messages."""
     n = dp_size(cfg)
     return f" x sglang.dp_size {n}" if n > 1 else ""
 
 
-def expected_workers(cfg: dict) -> int | None:
+def expected_workers(cfg: AnyConfig) -> int | None:
     """Worker processes a healthy server has, when nobody else watches them (dp > 1):
     SGLang dp x tp schedulers, the reference engine dp workers; None at dp 1."""
     n = dp_size(cfg)
@@ -83,19 +85,19 @@ def _option(args: list[str], flag: str) -> str | None:
     return _option_value(args, flag)
 
 
-def server_gpus(cfg: dict, environ: dict[str, str] | None = None) -> list[str]:
+def server_gpus(cfg: AnyConfig, environ: dict[str, str] | None = None) -> list[str]:
     """The devices the server's dp x tp ranks take, as ``CUDA_VISIBLE_DEVICES`` names them
     (an index or a UUID), one per rank: rank r of DP worker d is CUDA ordinal ``base_gpu_id
     + (d*tp + r)*gpu_id_step`` of the visible list.  Two ranks may name one device (a
     ``CUDA_VISIBLE_DEVICES`` listing it twice, with ``SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS``:
     several workers on one GPU).  Raises ConfigError when the visible list is too short."""
-    sg = cfg.get("sglang") or {}
-    extra = list(sg.get("extra_args") or [])
+    sg = typed(cfg).sglang
+    extra = list(sg.extra_args)
     base = int(_option(extra, "--base-gpu-id") or 0)
     step = int(_option(extra, "--gpu-id-step") or 1)
     n = dp_size(cfg) * tp_size(cfg)
     ordinals = [base + i * step for i in range(n)]
-    env = {**(environ if environ is not None else os.environ), **(sg.get("extra_env") or {})}
+    env = {**(environ if environ is not None else os.environ), **sg.extra_env}
     visible = env.get("CUDA_VISIBLE_DEVICES")
     if visible is None or visible.strip() == "":
         return [str(o) for o in ordinals]

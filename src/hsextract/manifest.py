@@ -20,7 +20,7 @@ import orjson
 # The structural half only: building the manifest, once after the last chunk of every run,
 # reads no states, and importing torch (hsextract.chunks) was most of its time.
 from hsextract.chunkfile import ChunkFileError, check_chunk, sha256_file
-from hsextract.config import fingerprint, public_config, storage_codec
+from hsextract.config import AnyConfig, fingerprint, public_config, storage_codec, typed
 from hsextract.errors import HsextractError
 from hsextract.records import content_digest, read_index, record_digest
 from hsextract.server import write_json
@@ -34,13 +34,16 @@ def _redo(path: Path) -> str:
     return f"delete it and rerun `snakemake -j1 {path}` (or extract_all)"
 
 
-def build_manifest(sidecars: list[Path], *, stats: Path, index: Path, out: Path, cfg: dict) -> dict:
+def build_manifest(
+    sidecars: list[Path], *, stats: Path, index: Path, out: Path, cfg: AnyConfig
+) -> dict:
     """Cross-check each chunk against its sidecar, the index and train.jsonl; list them.
 
     Hashes of the chunk files are taken from the sidecars, which the extractor computed
     from the bytes it fsynced; re-hashing terabytes here would double the I/O.
     ``hsextract verify`` re-hashes.
     """
+    cfg = typed(cfg)
     root = out.parent
     idx = read_index(index)
     entries = {Path(e["path"]).stem: e for e in idx["chunks"]}
@@ -107,10 +110,10 @@ def build_manifest(sidecars: list[Path], *, stats: Path, index: Path, out: Path,
         "format_version": "1",
         "fingerprint": fp,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "engine": cfg["engine"],
-        "model": cfg["model"]["path"],
+        "engine": cfg.engine,
+        "model": cfg.model.path,
         "aux_layers": first.get("aux_layers"),
-        "max_seq_len": cfg["max_seq_len"],
+        "max_seq_len": cfg.max_seq_len,
         "codec": codec,
         "totals": {
             "chunks": len(chunks),

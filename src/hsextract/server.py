@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from hsextract.config import AnyConfig, typed
 from hsextract.dp import dp_size, expected_workers, lost_workers
 from hsextract.errors import HsextractError
 
@@ -557,35 +558,36 @@ def prepare_dump_dir(path: Path, owner: str | None = None) -> Path:
     return path
 
 
-def build_spec(cfg: dict, *, run_dir: Path, log_path: Path) -> ServerSpec:
+def build_spec(cfg: AnyConfig, *, run_dir: Path, log_path: Path) -> ServerSpec:
     """The launch spec for the configured engine, from the config alone."""
     from hsextract.config import dump_dir, fingerprint, launch_settings, server_aux_layers
 
-    server = cfg["server"]
-    port_auto = server["port"] == 0
-    max_port = SGLANG_MAX_PORT if cfg["engine"] == "sglang" else 65535
-    port = free_port(server["host"], max_port) if port_auto else int(server["port"])
+    cfg = typed(cfg)
+    server = cfg.server
+    port_auto = server.port == 0
+    max_port = SGLANG_MAX_PORT if cfg.engine == "sglang" else 65535
+    port = free_port(server.host, max_port) if port_auto else server.port
     ddir = str(dump_dir(cfg))
     env: dict[str, str] = {}
-    api_key_env = API_KEY_ENV if server.get("api_key") else None
-    if cfg["engine"] == "reference":
+    api_key_env = API_KEY_ENV if server.api_key else None
+    if cfg.engine == "reference":
         env["SGLANG_HS_DUMP_DIR"] = ddir  # the engine captures through the patch's path
         layers = server_aux_layers(cfg)
         if layers is not None:
             env["HSEXTRACT_AUX_LAYERS"] = json.dumps(layers)
         argv = [
             sys.executable, "-m", "hsextract.engine",
-            "--model-path", str(Path(cfg["model"]["path"]).resolve()),
-            "--dtype", cfg["model"]["dtype"],
-            "--device", server["device"],
-            "--host", server["host"],
+            "--model-path", str(Path(cfg.model.path).resolve()),
+            "--dtype", cfg.model.dtype,
+            "--device", server.device,
+            "--host", server.host,
             "--port", str(port),
             # The same max_seq_len the merge stage enforced: one source of truth.
-            "--context-length", str(cfg["max_seq_len"]),
-            "--chunked-prefill-size", str(server["chunked_prefill_size"]),
-            "--max-running-requests", str(server["max_running_requests"]),
+            "--context-length", str(cfg.max_seq_len),
+            "--chunked-prefill-size", str(server.chunked_prefill_size),
+            "--max-running-requests", str(server.max_running_requests),
         ]  # fmt: skip
-        if not server["batch_invariant"]:
+        if not server.batch_invariant:
             argv.append("--no-batch-invariant")
         if dp_size(cfg) > 1:
             argv += ["--dp-size", str(dp_size(cfg))]
@@ -598,17 +600,17 @@ def build_spec(cfg: dict, *, run_dir: Path, log_path: Path) -> ServerSpec:
         env.update(sg_env)
         # SGLang takes the key only on its command line; the recorded spec (server.json,
         # logs) holds a placeholder that start() fills from the environment.
-        argv = [API_KEY_PLACEHOLDER if a == server.get("api_key") else a for a in argv]
+        argv = [API_KEY_PLACEHOLDER if a == server.api_key else a for a in argv]
     return ServerSpec(
-        engine=cfg["engine"],
+        engine=cfg.engine,
         argv=argv,
         env=env,
-        host=server["host"],
+        host=server.host,
         port=port,
         log_path=str(log_path),
         fingerprint=fingerprint(cfg),
         dump_dir=ddir,
-        health_timeout_s=float(server["health_timeout_s"]),
+        health_timeout_s=float(server.health_timeout_s),
         api_key_env=api_key_env,
         extra={
             "port_auto": port_auto,

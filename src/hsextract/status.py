@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hsextract.config import AnyConfig, Config
 from hsextract.server import read_json
 
 log = logging.getLogger("hsextract")
@@ -212,12 +213,13 @@ class Status:
 
 
 def collect(
-    cfg: dict, *, window_s: float = DEFAULT_WINDOW_S, probe_timeout_s: float = 2.0
+    cfg: AnyConfig, *, window_s: float = DEFAULT_WINDOW_S, probe_timeout_s: float = 2.0
 ) -> Status:
     """The status of the config's run dir (which need not exist yet)."""
-    from hsextract.config import fingerprint, run_dir
+    from hsextract.config import fingerprint, run_dir, typed
     from hsextract.plan import chunk_states
 
+    cfg = typed(cfg)
     rd = run_dir(cfg)
     fp = fingerprint(cfg)
     now = time.time()
@@ -241,7 +243,7 @@ def collect(
                 intervals.append((*span, tokens_of[state.chunk]))
     else:
         tokens_total = None
-        names = [f"chunk_{i:05d}" for i in range(int(cfg["n_chunks"]))]
+        names = [f"chunk_{i:05d}" for i in range(cfg.n_chunks)]
     in_flight = _in_flight(hidden, set(names) - done)
     for f in in_flight:
         tokens_done += f.tokens_done
@@ -380,7 +382,7 @@ def _workflow_holders(rd: Path) -> list[str]:
     return out
 
 
-def server_status(cfg: dict, rd: Path, *, timeout_s: float = 2.0) -> ServerStatus:
+def server_status(cfg: Config, rd: Path, *, timeout_s: float = 2.0) -> ServerStatus:
     """This host's live server: recorded?  pid alive?  ``/health`` within ``timeout_s``?"""
     from hsextract.server import API_KEY_ENV, health, live_path, pid_alive
 
@@ -404,7 +406,7 @@ def server_status(cfg: dict, rd: Path, *, timeout_s: float = 2.0) -> ServerStatu
     )
     out.alive = pid_alive(out.pid)
     if out.alive and out.url:
-        key = cfg.get("server", {}).get("api_key") or os.environ.get(API_KEY_ENV)
+        key = cfg.server.api_key or os.environ.get(API_KEY_ENV)
         out.healthy = health(out.url, timeout=timeout_s, api_key=key)
     return out
 

@@ -17,19 +17,21 @@ from typing import Any
 
 from hsextract.config import (
     RUN_MARKER,
+    Config,
     dump_dir,
     fingerprint,
     launch_settings,
     public_config,
     read_model_config,
     run_dir,
+    typed,
 )
 from hsextract.server import write_json
 
 log = logging.getLogger("hsextract")
 
 
-def _mark_run_dir(cfg: dict) -> Path:
+def _mark_run_dir(cfg: Config) -> Path:
     rd = run_dir(cfg)
     rd.mkdir(parents=True, exist_ok=True)
     marker = rd / RUN_MARKER
@@ -71,8 +73,9 @@ def demo_model(sm: Any) -> None:
 def merge_and_shuffle(sm: Any) -> None:
     from hsextract.records import merge_and_shuffle as merge
 
-    _mark_run_dir(sm.config)
-    vocab = read_model_config(sm.config).get("vocab_size")
+    cfg = typed(sm.config)
+    _mark_run_dir(cfg)
+    vocab = read_model_config(cfg).get("vocab_size")
     stats = merge(
         list(sm.input.shards),
         Path(sm.output.train).parent,
@@ -81,7 +84,7 @@ def merge_and_shuffle(sm: Any) -> None:
         seed=sm.params.settings["seed"],
         vocab_size=int(vocab) if vocab else None,
         # Not a param: it decides whether the merge fails, not what it writes.
-        max_reject_fraction=sm.config["merge"]["max_reject_fraction"],
+        max_reject_fraction=cfg.merge.max_reject_fraction,
     )
     log.info(
         "merged: %s", json.dumps({k: v for k, v in stats.items() if not isinstance(v, dict | list)})
@@ -120,9 +123,9 @@ def delete_stale_states(sm: Any) -> None:
     from hsextract.server import owner_pid
     from hsextract.stale import delete_stale
 
-    cfg, settings = sm.config, sm.params.settings
+    cfg, settings = typed(sm.config), sm.params.settings
     report = delete_stale(
-        Path(cfg["output_root"]),
+        Path(cfg.output_root),
         run_dir(cfg),
         dump_root=dump_dir(cfg).parent,
         keep_runs=settings["keep_runs"],
@@ -145,7 +148,7 @@ def preflight_budget(sm: Any) -> None:
     from hsextract.plan import chunk_states
     from hsextract.records import read_index
 
-    cfg = sm.config
+    cfg = typed(sm.config)
     chunks = read_index(Path(sm.input.index))["chunks"]
     # Only what will be written counts: a rerun of one chunk of a 5 TB run needs one
     # chunk's space, not the run's.
@@ -157,12 +160,12 @@ def preflight_budget(sm: Any) -> None:
         max_len=max((int(c.get("max_len", 0)) for c in todo), default=0),
         hidden_size=geo.hidden_size,
         n_aux=len(geo.aux_layers),
-        dtype=cfg["model"]["dtype"],
-        output_root=Path(cfg["output_root"]),
+        dtype=cfg.model.dtype,
+        output_root=Path(cfg.output_root),
         dump_dir=dump_dir(cfg),
         requests_in_flight=dp.requests_in_flight(cfg),  # both per DP replica
         shm_budget_bytes=dp.shm_budget_bytes(cfg),
-        chunked_prefill_size=int(cfg["server"]["chunked_prefill_size"]),
+        chunked_prefill_size=cfg.server.chunked_prefill_size,
     )
     report["chunks_to_extract"] = len(todo)
     write_json(Path(sm.output.report), report)
@@ -172,8 +175,8 @@ def apply_patch(sm: Any) -> None:
     """SGLang: patch the configured env's sglang.  Reference: verify the patches on copies."""
     from hsextract.sglang import patching
 
-    cfg = sm.config
-    if cfg["engine"] == "sglang":
+    cfg = typed(sm.config)
+    if cfg.engine == "sglang":
         from hsextract.sglang.launch import release
 
         rel = release(cfg)
@@ -184,7 +187,7 @@ def apply_patch(sm: Any) -> None:
                 f"sglang.version says {rel.version}, {root} is sglang {installed}; fix "
                 "sglang.version (or leave it null to use what is installed)"
             )
-        if cfg.get("capture", "patch") == "patch":
+        if cfg.capture == "patch":
             report = _as_dict(patching.apply(root))
         else:
             report = {
@@ -240,18 +243,18 @@ def _as_dict(result: Any) -> dict:
     return {k: str(v) if isinstance(v, Path) else v for k, v in out.items()}
 
 
-def _installed_sglang_root(cfg: dict) -> Path:
+def _installed_sglang_root(cfg: Config | dict) -> Path:
     """The sglang package dir of the env named in config (never ours: it is the user's)."""
     from hsextract.sglang.launch import installed_root
 
-    return installed_root(cfg.get("sglang", {}).get("python", "python3"))
+    return installed_root(typed(cfg).sglang.python)
 
 
 def gpu_gate(sm: Any) -> None:
     from hsextract.dp import server_gpus
     from hsextract.gpu import gate
 
-    cfg = sm.config
+    cfg = typed(sm.config)
     if getattr(sm.params, "per_node", False):
         # The head node of a cluster run has no GPU of the run: each node allocation
         # gates its own before its server starts (ensure() runs _gate_for's check).
@@ -264,41 +267,42 @@ def gpu_gate(sm: Any) -> None:
         }
         write_json(Path(sm.output.state), report)
         return
+    sglang = cfg.engine == "sglang"
     report = gate(
-        cfg["gpu"]["max_used_mib"],
-        cfg["gpu"]["wait_s"],
-        require_nvml=cfg["engine"] == "sglang",
-        required=server_gpus(cfg) if cfg["engine"] == "sglang" else None,  # dp x tp
+        cfg.gpu.max_used_mib,
+        cfg.gpu.wait_s,
+        require_nvml=sglang,
+        required=server_gpus(cfg) if sglang else None,  # dp x tp
     )
-    if cfg["engine"] == "reference":
-        report["engine_device"] = cfg["server"]["device"]
+    if not sglang:
+        report["engine_device"] = cfg.server.device
     write_json(Path(sm.output.state), report)
 
 
-def _gate_for(cfg: dict):
+def _gate_for(cfg: Config):
     """What must hold on this node before an SGLang server starts here: its GPUs are
     clean, and with ``capture: patch`` the SGLang it will run is patched.  On a cluster the
     head node patched the env it sees; a node whose env is another one (node-local) fails
     here in seconds, not after a model load that would dump nothing."""
-    if cfg["engine"] != "sglang":
+    if cfg.engine != "sglang":
         return None
     from hsextract.dp import server_gpus
     from hsextract.gpu import gate
 
     def check() -> None:
         gate(
-            cfg["gpu"]["max_used_mib"],
-            cfg["gpu"]["wait_s"],
+            cfg.gpu.max_used_mib,
+            cfg.gpu.wait_s,
             require_nvml=True,
             required=server_gpus(cfg),  # dp x tp; in an allocation, its GPUs
         )
-        if cfg.get("capture", "patch") == "patch":
+        if cfg.capture == "patch":
             _verify_patch_here(cfg)
 
     return check
 
 
-def _verify_patch_here(cfg: dict) -> None:
+def _verify_patch_here(cfg: Config) -> None:
     import socket
 
     from hsextract.sglang import patching
@@ -315,16 +319,16 @@ def _verify_patch_here(cfg: dict) -> None:
         ) from exc
 
 
-def _export_api_key(cfg: dict) -> None:
-    key = cfg["server"].get("api_key")
-    if key:
-        os.environ["HSEXTRACT_API_KEY"] = key
+def _export_api_key(cfg: Config) -> None:
+    if cfg.server.api_key:
+        os.environ["HSEXTRACT_API_KEY"] = cfg.server.api_key
 
 
-def ensure_server(cfg: dict) -> dict:
+def ensure_server(cfg: Config | dict) -> dict:
     """This host's live server for the config's run and settings, started if need be."""
     from hsextract import server
 
+    cfg = typed(cfg)
     rd = run_dir(cfg)
     _export_api_key(cfg)
     spec = server.build_spec(cfg, run_dir=rd, log_path=_server_log(rd))
@@ -335,8 +339,8 @@ def ensure_server(cfg: dict) -> dict:
         spec,
         rd / "state",
         gate=gate,
-        probes=int(cfg["server"]["health_probes"]),
-        interval_s=float(cfg["server"]["probe_interval_s"]),
+        probes=cfg.server.health_probes,
+        interval_s=cfg.server.probe_interval_s,
     )
 
 
@@ -385,7 +389,7 @@ def _server_log(rd: Path) -> Path:
     return rd / "logs" / "server.log"
 
 
-def check_sglang_command(cfg: dict, argv: list[str]) -> dict:
+def check_sglang_command(cfg: Config, argv: list[str]) -> dict:
     """Every option of the launch command, checked against the installed release's own
     declarations before anything starts (a wrong flag otherwise costs an 8-GPU start)."""
     from hsextract.sglang import flags
@@ -408,11 +412,11 @@ def launch_server(sm: Any) -> None:
     from hsextract import server
     from hsextract.plan import chunk_states
 
-    cfg = sm.config
+    cfg = typed(sm.config)
     rd = _mark_run_dir(cfg)
     _export_api_key(cfg)
     spec = server.build_spec(cfg, run_dir=rd, log_path=rd / "logs" / "server.log")
-    checked = check_sglang_command(cfg, spec.argv) if cfg["engine"] == "sglang" else {}
+    checked = check_sglang_command(cfg, spec.argv) if cfg.engine == "sglang" else {}
     todo = [
         s.chunk for s in chunk_states(rd, Path(sm.input.index), fingerprint(cfg)) if not s.current
     ]
@@ -438,7 +442,7 @@ def launch_server(sm: Any) -> None:
 def plan_chunks(sm: Any) -> None:
     from hsextract.plan import check_data_matches_config, make_plan, summary
 
-    cfg = sm.config
+    cfg = typed(sm.config)
     check_data_matches_config(cfg, Path(sm.input.index), Path(sm.input.stats))
     plan = make_plan(run_dir(cfg), Path(sm.input.index), fingerprint(cfg), Path(sm.output.plan))
     text = summary(plan)
@@ -450,7 +454,7 @@ def extract_chunk(sm: Any) -> None:
     from hsextract import server
     from hsextract.client import extract_chunk as extract
 
-    cfg = sm.config
+    cfg = typed(sm.config)
     # Where the chunk ran: on a cluster, the node and SLURM job whose server it used
     # (logs/servers/<this>.log); a cancelled allocation's chunks are found by it.
     log.info("chunk job on %s", server.host_key())
@@ -487,7 +491,7 @@ def manifest(sm: Any) -> None:
         stats=Path(sm.input.stats),
         index=Path(sm.input.index),
         out=Path(sm.output.manifest),
-        cfg=sm.config,
+        cfg=typed(sm.config),
     )
 
 

@@ -27,9 +27,19 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hsextract.config import captured_layers, is_loopback, read_model_config
+from hsextract.config import (
+    AnyConfig,
+    Config,
+    as_raw,
+    captured_layers,
+    is_loopback,
+    read_model_config,
+    typed,
+)
+from hsextract.config_types import SglangConfig
 from hsextract.convention import prenorm_layer
 from hsextract.errors import ConfigError
+from hsextract.settings import SETTINGS
 from hsextract.sglang import versions
 from hsextract.sglang.versions import SglangVersion
 
@@ -104,20 +114,15 @@ MANAGED_ENV = (
     "PYTHONPATH",
 )
 
+#: The declared ``sglang.*`` keys and their defaults (hsextract.settings).
 SGLANG_DEFAULTS: dict[str, Any] = {
-    "python": "python",
-    "version": None,
-    "tp_size": 1,
-    "dp_size": 1,
-    "mem_fraction_static": None,
-    "context_length": None,
-    "extra_args": [],
-    "extra_env": {},
+    k.split(".", 1)[1]: s.default for k, s in SETTINGS.items() if k.startswith("sglang.")
 }
 
 
 def sglang_section(cfg: dict) -> dict[str, Any]:
-    """The ``sglang:`` section with defaults filled (the schema fills them too)."""
+    """The ``sglang:`` section as written, defaults filled: what validation checks (unknown
+    keys, types) before the config is read typed."""
     return {**SGLANG_DEFAULTS, **(cfg.get("sglang") or {})}
 
 
@@ -170,28 +175,29 @@ def installed_root(python: str) -> Path:
 _INFERRED: dict[tuple[str, str], SglangVersion] = {}
 
 
-def release(cfg: dict) -> SglangVersion:
+def release(cfg: AnyConfig) -> SglangVersion:
     """The declaration of the configured env's SGLang release (``sglang.version`` or the
     installed one).  An undeclared release runs ``capture: hooks`` when its installed
     source matches a known design (``compat.infer``, read once per run); otherwise it is
     refused, naming the supported releases (or the nearest one and what differs)."""
-    sg = sglang_section(cfg)
-    version = sg["version"] or installed_version(sg["python"])
+    cfg = typed(cfg)
+    sg = cfg.sglang
+    version = sg.version or installed_version(sg.python)
     try:
         return versions.get(version)
     except versions.UnknownVersion as exc:
-        if cfg.get("capture", "patch") != "hooks":
+        if cfg.capture != "hooks":
             raise ConfigError(
                 f"{exc}. capture: hooks can run an undeclared release whose source matches "
                 "a known design; capture: patch needs its patch (python patches/port.py "
                 f"{version})"
             ) from None
-    key = (sg["python"], version)
+    key = (sg.python, version)
     if key not in _INFERRED:
         from hsextract.sglang import compat
         from hsextract.sglang.patching import installed_version as version_in
 
-        root = installed_root(sg["python"])
+        root = installed_root(sg.python)
         found = version_in(root)
         if found != version:
             raise ConfigError(
@@ -202,10 +208,11 @@ def release(cfg: dict) -> SglangVersion:
     return _INFERRED[key]
 
 
-def context_length(cfg: dict, headroom: int = CONTEXT_HEADROOM) -> int:
+def context_length(cfg: AnyConfig, headroom: int = CONTEXT_HEADROOM) -> int:
     """The ``--context-length`` that admits every record of ``max_seq_len`` tokens."""
-    configured = sglang_section(cfg)["context_length"]
-    return int(configured) if configured is not None else int(cfg["max_seq_len"]) + headroom
+    cfg = typed(cfg)
+    configured = cfg.sglang.context_length
+    return int(configured) if configured is not None else cfg.max_seq_len + headroom
 
 
 def _flag_name(token: str) -> str:
@@ -219,9 +226,12 @@ def _matches(token: str, flag: str) -> bool:
     return name == flag or (len(name) > 3 and flag.startswith(name))
 
 
-def validate_sglang_config(cfg: dict, rel: SglangVersion | None = None) -> None:
-    """Raise ConfigError naming the reason when the config would leave extraction mode."""
-    sg = sglang_section(cfg)
+def validate_sglang_config(cfg: AnyConfig, rel: SglangVersion | None = None) -> None:
+    """Raise ConfigError naming the reason when the config would leave extraction mode.
+
+    The ``sglang:`` section is checked as written (unknown keys, types), the rest typed."""
+    c = typed(cfg)
+    sg = sglang_section(as_raw(cfg))
     unknown = sorted(set(sg) - set(SGLANG_DEFAULTS))
     if unknown:
         # e.g. a hopeful `disable_radix_cache: false`: settings go through known keys only.
@@ -234,7 +244,7 @@ def validate_sglang_config(cfg: dict, rel: SglangVersion | None = None) -> None:
     dp = sg["dp_size"]
     if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
         raise ConfigError(f"sglang.dp_size must be an integer >= 1, got {dp!r}")
-    dtype = cfg["model"]["dtype"]
+    dtype = c.model.dtype
     if dtype not in SGLANG_DTYPES:
         raise ConfigError(f"model.dtype {dtype!r} is not an SGLang dtype {SGLANG_DTYPES}")
     why = dict(rel.unserved_dtypes).get(dtype) if rel else None
@@ -245,17 +255,16 @@ def validate_sglang_config(cfg: dict, rel: SglangVersion | None = None) -> None:
             "float32 states"
         )
     headroom = rel.context_headroom if rel else CONTEXT_HEADROOM
-    max_seq_len = int(cfg["max_seq_len"])
-    ctx = context_length(cfg, headroom)
+    max_seq_len = c.max_seq_len
+    ctx = context_length(c, headroom)
     if ctx < max_seq_len + headroom:
         raise ConfigError(
             f"sglang.context_length {ctx} is too short for max_seq_len {max_seq_len}: SGLang "
             f"{rel.version if rel else ''} refuses inputs of >= context_length - "
             f"{headroom - 1} tokens; use >= {max_seq_len + headroom} or null"
         )
-    server = cfg.get("server") or {}
-    host = server.get("host", "127.0.0.1")
-    if not is_loopback(host) and not (server.get("allow_remote") and server.get("api_key")):
+    host = c.server.host
+    if not is_loopback(host) and not (c.server.allow_remote and c.server.api_key):
         raise ConfigError(
             f"server.host={host!r} is not loopback: needs server.allow_remote: true "
             "and server.api_key"
@@ -288,13 +297,13 @@ def validate_sglang_config(cfg: dict, rel: SglangVersion | None = None) -> None:
             "extra_env; README, Data-parallel replicas)"
         )
     if rel is not None:
-        _check_deterministic_alignment(sg, int(server.get("chunked_prefill_size", 8192)), rel)
-    if cfg.get("capture", "patch") == "hooks" and rel is not None and rel.hooks == "aux_capture":
-        layers = cfg.get("aux_layers")
+        _check_deterministic_alignment(c.sglang, c.server.chunked_prefill_size, rel)
+    if c.capture == "hooks" and rel is not None and rel.hooks == "aux_capture":
+        layers = c.aux_layers
         if layers and layers[0] == 1:
             # set_eagle3_layers_to_capture adds 1 to every id when the list starts with 1.
             raise ConfigError(
-                f"capture: hooks cannot capture aux_layers {layers} with SGLang "
+                f"capture: hooks cannot capture aux_layers {list(layers)} with SGLang "
                 f"{rel.version}: it shifts a layer-id list starting with 1 by one; use "
                 "capture: patch"
             )
@@ -311,11 +320,11 @@ def _option_value(args: list[str], flag: str) -> str | None:
     return value
 
 
-def _check_deterministic_alignment(sg: dict, chunk: int, rel: SglangVersion) -> None:
+def _check_deterministic_alignment(sg: SglangConfig, chunk: int, rel: SglangVersion) -> None:
     """Deterministic inference cuts chunked prefill at multiples of an alignment for some
     backends; a smaller chunk would leave every longer record unscheduled: a server that
     answers /health and never answers the request (0.5.14) or will not start (0.5.23)."""
-    extra = sg["extra_args"]
+    extra = sg.extra_args
     flag = "--enable-deterministic-inference"
     if not any(t.startswith("--") and _matches(t, flag) for t in extra):
         return
@@ -325,7 +334,7 @@ def _check_deterministic_alignment(sg: dict, chunk: int, rel: SglangVersion) -> 
     for name, env_var, default in rel.deterministic_align:
         if backend != name:
             continue
-        align = int(sg["extra_env"].get(env_var, default))
+        align = int(sg.extra_env.get(env_var, default))
         if chunk != -1 and chunk < align:
             raise ConfigError(
                 f"sglang.extra_args has --enable-deterministic-inference with the {name} "
@@ -337,19 +346,18 @@ def _check_deterministic_alignment(sg: dict, chunk: int, rel: SglangVersion) -> 
             )
 
 
-def _aux_layers(cfg: dict) -> list[int] | None:
+def _aux_layers(cfg: Config) -> list[int] | None:
     """What the dump holds (configured or EAGLE-3 default layers, then index L with
     ``prenorm_final``), from the model's config.json if readable."""
     try:
         return captured_layers(cfg, int(read_model_config(cfg)["num_hidden_layers"]))
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        if cfg.get("prenorm_final"):
+        if cfg.prenorm_final:
             raise ConfigError(
-                f"prenorm_final needs the layer count from {cfg['model']['path']}/config.json "
-                f"here: {exc}"
+                f"prenorm_final needs the layer count from {cfg.model.path}/config.json here: {exc}"
             ) from exc
-        if cfg.get("aux_layers") is not None:
-            return list(cfg["aux_layers"])
+        if cfg.aux_layers is not None:
+            return list(cfg.aux_layers)
         return None  # the server applies the same default from the loaded model
 
 
@@ -360,38 +368,38 @@ def _src_dir() -> str:
 
 
 def build_launch(
-    cfg: dict, *, dump_dir: str, port: int, rel: SglangVersion | None = None
+    cfg: AnyConfig, *, dump_dir: str, port: int, rel: SglangVersion | None = None
 ) -> tuple[list[str], dict[str, str]]:
     """argv and the environment variables to add, for an extraction-mode SGLang server of
     release ``rel`` (default: the configured env's, see :func:`release`)."""
     rel = rel or release(cfg)
     validate_sglang_config(cfg, rel)
-    sg = sglang_section(cfg)
-    server = cfg.get("server") or {}
+    cfg = typed(cfg)
+    sg, server = cfg.sglang, cfg.server
     argv = [
-        sg["python"], "-m", "sglang.launch_server",
-        "--model-path", str(cfg["model"]["path"]),
-        "--dtype", cfg["model"]["dtype"],
-        "--tp-size", str(sg["tp_size"]),
-        *(["--dp-size", str(sg["dp_size"])] if sg["dp_size"] > 1 else []),
-        "--host", server.get("host", "127.0.0.1"),
+        sg.python, "-m", "sglang.launch_server",
+        "--model-path", str(cfg.model.path),
+        "--dtype", cfg.model.dtype,
+        "--tp-size", str(sg.tp_size),
+        *(["--dp-size", str(sg.dp_size)] if sg.dp_size > 1 else []),
+        "--host", server.host,
         "--port", str(port),
         "--context-length", str(context_length(cfg, rel.context_headroom)),
-        "--chunked-prefill-size", str(server.get("chunked_prefill_size", 8192)),
-        "--max-running-requests", str(server.get("max_running_requests", 8)),
+        "--chunked-prefill-size", str(server.chunked_prefill_size),
+        "--max-running-requests", str(server.max_running_requests),
         "--cuda-graph-backend-decode", "disabled",
         "--cuda-graph-backend-prefill", "disabled",
         "--disable-radix-cache",
         # SGLang's warmup /generate would be prefilled and dumped under a foreign rid.
         "--skip-server-warmup",
     ]  # fmt: skip
-    if sg["mem_fraction_static"] is not None:
-        argv += ["--mem-fraction-static", str(sg["mem_fraction_static"])]
-    if server.get("api_key"):
-        argv += ["--api-key", str(server["api_key"])]
+    if sg.mem_fraction_static is not None:
+        argv += ["--mem-fraction-static", str(sg.mem_fraction_static)]
+    if server.api_key:
+        argv += ["--api-key", str(server.api_key)]
     layers = _aux_layers(cfg)
-    env = {str(k): str(v) for k, v in sg["extra_env"].items()}
-    hooks = cfg.get("capture", "patch") == "hooks"
+    env = {str(k): str(v) for k, v in sg.extra_env.items()}
+    hooks = cfg.capture == "hooks"
     if hooks:
         # Imported here: hooks pulls in torch, which `server command` should not pay for.
         from hsextract.sglang.hooks import forward_hooks_spec
@@ -399,24 +407,24 @@ def build_launch(
         if rel.hooks == "aux_capture":
             # SGLang's own EAGLE-3 aux capture without a draft, plus a hook on the model.
             argv += ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3"]
-            if cfg.get("aux_layers") is not None:
-                argv += ["--return-aux-hidden-state-layer-ids", *map(str, cfg["aux_layers"])]
-        if sg["tp_size"] > 1:
+            if cfg.aux_layers is not None:
+                argv += ["--return-aux-hidden-state-layer-ids", *map(str, cfg.aux_layers)]
+        if sg.tp_size > 1:
             argv += list(rel.hooks_tp_args)
         if layers is None and rel.hooks == "layernorm":
             raise ConfigError(
                 f"capture: hooks with SGLang {rel.version} hooks each aux layer by number: "
-                f"set aux_layers, or make {cfg['model']['path']}/config.json readable here"
+                f"set aux_layers, or make {cfg.model.path}/config.json readable here"
             )
         # The dump dir travels in the hooks' config, not SGLANG_HS_DUMP_DIR: a patched
         # install (one env for both modes) would otherwise dump every pass twice.
         prenorm = (
             prenorm_layer(int(read_model_config(cfg)["num_hidden_layers"]))
-            if (cfg.get("prenorm_final"))
+            if cfg.prenorm_final
             else None
         )
         argv += ["--forward-hooks", forward_hooks_spec(rel.hooks, layers, dump_dir, prenorm)]
-    argv += list(sg["extra_args"])
+    argv += list(sg.extra_args)
     pythonpath = _src_dir()
     if os.environ.get("PYTHONPATH"):
         pythonpath += os.pathsep + os.environ["PYTHONPATH"]
