@@ -97,6 +97,17 @@ def test_every_key_is_declared_and_every_declared_key_exists():
             top, sub = m.groups()
             key = f"{top}.{sub}" if top in GROUPS and sub else top
             assert key in SETTINGS or key in GROUPS, f"{f.name} reads undeclared {key}"
+    # And every typed read (cfg.server.host; the rules' CFG).
+    attrs = r"\.([a-z]\w*)(?:\.([a-z]\w*))?"
+    files = [(f, "cfg") for f in (REPO / "src").rglob("*.py")]
+    files += [(f, "CFG") for f in [*(REPO / "rules").glob("*.smk"), REPO / "Snakefile"]]
+    for f, name in files:
+        for m in re.finditer(rf"\b{name}{attrs}", f.read_text()):
+            top, sub = m.groups()
+            if top in ("get", "raw"):
+                continue  # a dict's get (validation), the dict a Config was built from
+            key = f"{top}.{sub}" if top in GROUPS and sub else top
+            assert key in SETTINGS or key in GROUPS, f"{f.name} reads undeclared {key}"
 
 
 def test_the_demo_fingerprint_is_unchanged():
