@@ -29,7 +29,7 @@ import yaml
 from hsextract.config_types import Config
 from hsextract.convention import CAPTURE_CONVENTION, default_aux_layers, prenorm_layer
 from hsextract.errors import ConfigError
-from hsextract.settings import GROUPS, class_name
+from hsextract.settings import GROUPS, SETTINGS, class_name
 
 #: A config as the workflow hands it over (a validated dict) or as the code reads it.
 AnyConfig = Config | dict
@@ -149,31 +149,35 @@ def _coerce(value: Any, schema: dict) -> Any:
     return value
 
 
+def _default(key: str) -> Any:
+    """A key's declared default, for validation code reading a dict that may lack it."""
+    return SETTINGS[key].default
+
+
 def check_semantics(cfg: dict) -> None:
-    """Cross-key rules a JSON schema cannot express."""
-    server = typed(cfg).server
-    host = server.host
+    """Cross-key rules a JSON schema cannot express (on the dict: it may be partial)."""
+    server = cfg.get("server", {})
+    host = server.get("host", _default("server.host"))
     if not is_loopback(host):
-        if not server.allow_remote:
+        if not server.get("allow_remote"):
             raise ConfigError(
                 f"server.host={host!r} is not loopback; set server.allow_remote: true "
                 "and server.api_key to expose the extraction server"
             )
-        if not server.api_key:
+        if not server.get("api_key"):
             raise ConfigError(f"server.host={host!r} is not loopback: server.api_key is required")
-    cps = server.chunked_prefill_size
+    cps = server.get("chunked_prefill_size", _default("server.chunked_prefill_size"))
     if cps not in (-1,) and cps < 1:
         raise ConfigError(f"server.chunked_prefill_size must be -1 (off) or >= 1, got {cps}")
-    layers = typed(cfg).aux_layers
-    if layers is not None and len(set(layers)) != len(layers):
-        raise ConfigError(f"aux_layers has duplicates: {list(layers)}")
+    if cfg.get("aux_layers") is not None and len(set(cfg["aux_layers"])) != len(cfg["aux_layers"]):
+        raise ConfigError(f"aux_layers has duplicates: {cfg['aux_layers']}")
     check_demo(cfg)
     check_dump_dir(cfg)
 
 
-def demo_inputs(cfg: AnyConfig) -> str:
+def demo_inputs(cfg: dict) -> str:
     """The glob of the shards the demo generates (rules/common.smk, ``demo_shards``)."""
-    return os.path.normpath(f"{typed(cfg).output_root}/demo/data/shard_*.jsonl")
+    return os.path.normpath(f"{cfg['output_root']}/demo/data/shard_*.jsonl")
 
 
 def check_demo(cfg: dict) -> None:
@@ -188,9 +192,8 @@ def check_demo(cfg: dict) -> None:
     new, empty or the demo's own (``demo.demo_model_refusal``): the demo never writes over
     or removes files it did not create.
     """
-    c = typed(cfg)
-    inputs = list(c.inputs or [])
-    if not c.demo.enabled:
+    inputs = cfg.get("inputs") or []
+    if not (cfg.get("demo") or {}).get("enabled"):
         if not inputs:
             raise ConfigError(
                 "inputs is not set: list the JSON-lines shards to extract (paths or globs), "
@@ -210,7 +213,7 @@ def check_demo(cfg: dict) -> None:
         )
     from hsextract.demo import demo_model_refusal
 
-    why = demo_model_refusal(Path(c.model.path))
+    why = demo_model_refusal(Path(cfg["model"]["path"]))
     if why:
         raise ConfigError(why)
 
@@ -287,7 +290,7 @@ def name_list(names: list[str], most: int = 5) -> str:
 
 def check_dump_dir(cfg: dict) -> None:
     """A configured dump.dir that would hold someone's files is refused at planning."""
-    configured = typed(cfg).dump.dir
+    configured = (cfg.get("dump") or {}).get("dir")
     if configured:
         why = dump_dir_refusal(Path(configured))
         if why:
