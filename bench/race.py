@@ -23,7 +23,8 @@ cap 8,192), seeded.  Contenders, one at a time on the GPU:
   SIGKILLed (process group) once half its chunks are finished, then run again: what the
   rerun redoes, and whether ``hsextract verify`` passes with every record present;
 * ``bare-dp2``: the bare server with ``--dp-size 2`` on the one GPU (the live DP tests'
-  shim), over the first ``--dp2-records`` records;
+  shim), over the first ``--dp2-records`` records; ``bare-dp1``: the bare server (dp 1)
+  over the same records, its like-for-like baseline;
 * ``specforge`` / ``specforge-gz``: SpecForge's own ``HiddenStatesGenerator`` from its
   script on its in-process SGLang engine (``specforge.offline_capture``), its defaults
   (batch 32, 16 I/O threads, ``.ckpt`` per record; gzip 6 with ``--compress``), driven as
@@ -866,7 +867,7 @@ def main() -> None:
     )
     ap.add_argument("--fault-records", type=int, default=1600, help="hsextract-fault's records")
     ap.add_argument("--fault-chunks", type=int, default=16)
-    ap.add_argument("--dp2-records", type=int, default=4000, help="bare-dp2's records")
+    ap.add_argument("--dp2-records", type=int, default=4000, help="bare-dp1/-dp2's records")
     args = ap.parse_args()
     t_begin = time.monotonic()
     deadline = t_begin + args.budget_s
@@ -926,9 +927,9 @@ def main() -> None:
             print(f"== {name}", flush=True)
             if name == "bare":
                 r = run_bare(work, cfg_path, records, args.in_flight)
-            elif name == "bare-dp2":
-                r = run_bare(work, dp2_config(work, cfg_path), records[: args.dp2_records],
-                             args.in_flight)  # fmt: skip
+            elif name in ("bare-dp1", "bare-dp2"):  # the same prefix: dp 1 vs dp 2
+                conf = dp2_config(work, cfg_path) if name == "bare-dp2" else cfg_path
+                r = run_bare(work, conf, records[: args.dp2_records], args.in_flight)
             elif name == "hsextract-fault":
                 if left < 280:  # two server starts, half a run each, verify
                     results["contenders"][name] = {"skipped": f"{left:.0f} s left"}

@@ -270,3 +270,14 @@ def test_an_automatic_sglang_port_leaves_room_for_its_grpc_port(tmp_path):
     }
     assert len(ports) > 100 and max(ports) <= server.SGLANG_MAX_PORT == 55535
     assert all(server.free_port("127.0.0.1", 30001) <= 30001 for _ in range(50))
+
+
+def test_automatic_ports_avoid_the_ephemeral_range(monkeypatch):
+    """An automatic port is never one the kernel hands to an outgoing connection: on the
+    H200 a dp-2 SGLang lost its HTTP port that way while loading (Errno 98)."""
+    monkeypatch.setattr(server, "ephemeral_ports", lambda: (30000, 60999))
+    ports = [server.free_port("127.0.0.1", server.SGLANG_MAX_PORT) for _ in range(200)]
+    assert all(20000 <= p < 30000 for p in ports), sorted(set(ports))[-5:]
+    ports = [server.free_port() for _ in range(300)]
+    assert all(p < 30000 or 60999 < p <= 65535 for p in ports)
+    assert any(p > 60999 for p in ports) and any(p < 30000 for p in ports)

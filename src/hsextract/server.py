@@ -86,13 +86,33 @@ class ServerSpec:
 SGLANG_MAX_PORT = 65535 - 10000
 
 
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (Linux; else IANA's)."""
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def free_port(host: str = "127.0.0.1", max_port: int = 65535) -> int:
-    """A port free on ``host`` now, at most ``max_port``."""
+    """A port free on ``host`` now, at most ``max_port``, outside the ephemeral range.
+
+    Why outside: the port is free when we look but bound by the server only once its
+    model is loaded.  Meanwhile every outgoing connection (SGLang's data-parallel workers
+    open many, to each other and the controller) takes a local port from the ephemeral
+    range, and one took ours on the H200: dp 2 exited with "[Errno 98] address already
+    in use" after loading.  A port below the range is never handed out that way.
+    """
     import random
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    eph_lo, eph_hi = ephemeral_ports()
+    ranges = [(20000, min(max_port, eph_lo - 1)), (eph_hi + 1, max_port)]
+    ranges = [(a, b) for a, b in ranges if a <= b] or [(20000, max_port)]
     for _ in range(200):
-        port = random.randint(20000, max_port) if max_port < 65535 else 0
+        a, b = random.choice(ranges)
+        port = random.randint(a, b)
         with socket.socket(family) as s:
             try:
                 s.bind((host, port))
