@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import random
+import threading
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from hsextract import chunks
 from hsextract.chunks import ChunkFileError, ChunkReader, ChunkWriter, check_chunk, sha256_file
 
 META = {
@@ -22,7 +26,7 @@ META = {
 }
 
 
-def records(dtype, lengths=(5, 1, 9)):
+def records(dtype, lengths=(5, 1, 9), h=8):
     g = torch.Generator().manual_seed(0)
     out = []
     for n in lengths:
@@ -30,8 +34,8 @@ def records(dtype, lengths=(5, 1, 9)):
             (
                 torch.randint(0, 1000, (n,), generator=g),
                 torch.randint(0, 2, (n,), generator=g),
-                torch.randn(n, 8, generator=g).to(dtype),
-                torch.randn(n, 24, generator=g).to(dtype),
+                torch.randn(n, h, generator=g).to(dtype),
+                torch.randn(n, 3 * h, generator=g).to(dtype),
             )
         )
     return out
@@ -142,3 +146,175 @@ def test_the_manifest_imports_no_torch():
     code = "import sys, hsextract.manifest, hsextract.steps; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+BIG_H, BIG_LENGTHS = 256, [64] * 16  # 4 KiB of fp32 states a token: 4 MiB a chunk
+
+
+def write_big(path, codec="none", order=None, via="put"):
+    """A chunk of a few MiB, records in ``order``; ``via="put_files"`` hands the rows over
+    as byte ranges of a file (the splice path).  Returns the writer, its records written."""
+    recs = records(torch.float32, BIG_LENGTHS, h=BIG_H)
+    meta = dict(
+        META,
+        record_ids=json.dumps([str(j) for j in range(len(recs))]),
+        hidden_size=str(BIG_H),
+        dtype="float32",
+    )
+    w = ChunkWriter(path, BIG_LENGTHS, hidden_size=BIG_H, n_aux=3, dtype=torch.float32,
+                    metadata=meta, codec=codec)  # fmt: skip
+    src = path.with_name(path.name + ".rows")
+    fd = os.open(src, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600) if via == "put_files" else -1
+    try:
+        for j in order or range(len(recs)):
+            ids, mask, hid, aux = recs[j]
+            if via == "put":
+                w.put(j, ids, mask, hid, aux)
+                continue
+            ranges = []
+            for t in (hid, aux):
+                data = t.numpy().tobytes()
+                at = os.fstat(fd).st_size
+                os.pwrite(fd, data, at)
+                ranges.append([(fd, at, len(data), str(src))])
+            w.put_files(j, ids, mask, *ranges, torch.float32)
+    except BaseException:
+        w.abort()
+        raise
+    finally:
+        if fd >= 0:
+            os.close(fd)
+            src.unlink()
+    return w
+
+
+class CountingSync:
+    """os.fdatasync, counting its calls: which fds, from which threads, how many at once."""
+
+    def __init__(self):
+        self.real, self.lock = os.fdatasync, threading.Lock()
+        self.fds, self.threads, self.running, self.most = [], set(), 0, 0
+
+    def __call__(self, fd):
+        with self.lock:
+            self.fds.append(fd)
+            self.threads.add(threading.current_thread())
+            self.running += 1
+            self.most = max(self.most, self.running)
+        try:
+            self.real(fd)
+        finally:
+            with self.lock:
+                self.running -= 1
+
+
+@pytest.mark.parametrize(
+    "codec,via", [("none", "put"), ("none", "put_files"), ("lossless", "put"), ("fp8", "put")]
+)
+def test_background_syncs_while_streaming_leave_the_bytes_unchanged(
+    tmp_path, monkeypatch, codec, via
+):
+    """Past SYNC_EVERY_BYTES the writer fdatasyncs in the background, one at a time, so the
+    fsync at finish (the run's tail) has little left; the file is the same bytes as one
+    written without, for every codec and write path, and no sync thread outlives it."""
+    order = list(range(len(BIG_LENGTHS)))
+    random.Random(2).shuffle(order)
+    monkeypatch.setattr(chunks, "PENDING_BYTES", 0)  # lossless: out-of-order frames spill
+    counting = CountingSync()
+    monkeypatch.setattr(chunks.os, "fdatasync", counting)
+    (tmp_path / "ref").mkdir()
+    monkeypatch.setattr(chunks, "SYNC_EVERY_BYTES", 1 << 62)
+    ref = write_big(tmp_path / "ref" / "c.safetensors", codec, order, via).finish()
+    assert counting.fds == []
+
+    threads = set(threading.enumerate())
+    monkeypatch.setattr(chunks, "SYNC_EVERY_BYTES", 64 << 10)
+    w = write_big(tmp_path / "c.safetensors", codec, order, via)
+    fd = w.fd
+    assert len(counting.fds) >= 1 and set(counting.fds) == {fd}
+    assert threading.main_thread() not in counting.threads  # in the background
+    assert counting.most == 1
+    assert w.finish() == ref == sha256_file(tmp_path / "c.safetensors")
+    assert not any(t.is_alive() for t in counting.threads)  # joined by finish
+    assert set(threading.enumerate()) <= threads
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.safetensors", "ref"]
+
+
+def test_a_failed_background_sync_fails_the_chunk(tmp_path, monkeypatch):
+    """Linux reports a writeback error once per open file: after a background fdatasync's
+    EIO the final fsync may succeed, so finish raises the background error itself."""
+
+    def eio(fd):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(chunks, "SYNC_EVERY_BYTES", 64 << 10)
+    monkeypatch.setattr(chunks.os, "fdatasync", eio)
+    threads = set(threading.enumerate())
+    w = write_big(tmp_path / "c.safetensors")
+    with pytest.raises(OSError) as info:
+        w.finish()
+    assert info.value.errno == errno.EIO
+    assert not list(tmp_path.iterdir())  # not renamed into place, no temp file left
+    assert w.fd == -1 and set(threading.enumerate()) <= threads
+
+
+def test_abort_waits_for_a_background_sync_before_closing_the_fd(tmp_path, monkeypatch):
+    """Closed under a running sync, the fd's number could be reused by another open: the
+    sync would flush the wrong file.  abort waits for it, then closes."""
+    started, release, waiting, returned = (threading.Event() for _ in range(4))
+    seen = []
+
+    def blocked(fd):
+        started.set()
+        try:
+            release.wait(30)
+            try:
+                seen.append(os.fstat(fd).st_ino)  # the chunk's file still, or not
+            except OSError:
+                seen.append(None)
+        finally:
+            returned.set()
+
+    monkeypatch.setattr(chunks, "SYNC_EVERY_BYTES", 64 << 10)
+    monkeypatch.setattr(chunks.os, "fdatasync", blocked)
+    w = write_big(tmp_path / "c.safetensors")
+    ino = os.fstat(w.fd).st_ino
+    releaser = threading.Thread(target=lambda: waiting.wait(30) and release.set())
+    try:
+        assert started.wait(30)
+        future = w._sync_future  # abort waits on it: say when it does
+        wait_for_it = future.exception
+
+        def signalled(timeout=None):
+            waiting.set()
+            return wait_for_it(timeout)
+
+        future.exception = signalled
+        releaser.start()
+        w.abort()
+        assert waiting.is_set()
+    finally:
+        waiting.set()
+        release.set()
+        if releaser.is_alive():
+            releaser.join(30)
+        if started.is_set():
+            returned.wait(30)
+        w.abort()
+    assert seen == [ino]
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_small_chunk_starts_no_sync_thread(tmp_path, monkeypatch):
+    """The reference engine's CI writes thousands of tiny chunks: under SYNC_EVERY_BYTES
+    the writer starts no thread and no background sync."""
+    counting = CountingSync()
+    monkeypatch.setattr(chunks.os, "fdatasync", counting)
+    threads = set(threading.enumerate())
+    path = tmp_path / "c.safetensors"
+    w = ChunkWriter(path, [5, 1, 9], hidden_size=8, n_aux=3, dtype=torch.float32, metadata=META)
+    for j, r in enumerate(records(torch.float32)):
+        w.put(j, *r)
+    assert set(threading.enumerate()) <= threads and w._sync_pool is None
+    w.finish()
+    assert counting.fds == [] and check_chunk(path, expect_records=3)["tokens"] == 15

@@ -9,6 +9,8 @@ A production chunk can be tens of GB, more than RAM, so the writer never holds i
 header is computed up front from the record lengths (all known before extraction starts),
 the file is preallocated under a temporary name, and each record's rows are written at
 their final offsets as soon as the record arrives, in any order.  Then fsync, hash, rename.
+While it streams, a background fdatasync every :data:`SYNC_EVERY_BYTES` keeps the dirty
+pages few, so that final fsync, in the tail of the run, has little left to write.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import mmap
 import os
 import threading
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +42,11 @@ FORMAT_VERSION_CODED = "2"  # lossless or fp8: other tensors (storage.py)
 _WRITE_SLICE = 1 << 20  # bytes per pwrite
 #: Compressed frames of records ahead of their turn held in memory before they spill.
 PENDING_BYTES = 1 << 30
+#: Bytes written to a chunk between background fdatasyncs.  Why: the kernel starts
+#: writeback of a page only ~30 s after it is dirtied, so without them a chunk written in
+#: less than that reaches its final fsync with all of it dirty (a 1.7 GB chunk: seconds at
+#: the end of the run, on the H200 box).
+SYNC_EVERY_BYTES = 256 << 20
 _ST_DTYPES = {
     torch.float32: "F32",
     torch.bfloat16: "BF16",
@@ -230,6 +237,12 @@ class ChunkWriter:
         self.data_start = 8 + self.header_len
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.removed_stale = remove_stale_temps(self.path)
+        self._sync_lock = threading.Lock()  # records are written from several threads
+        self._unsynced = 0  # bytes written since the last background sync started
+        self._sync_closed = False
+        self._sync_pool: ThreadPoolExecutor | None = None
+        self._sync_future: Future[None] | None = None
+        self._sync_error: BaseException | None = None
         self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.ftruncate(self.fd, self.data_start + self.fixed_bytes)
@@ -256,7 +269,7 @@ class ChunkWriter:
         if len(hjson) > self.header_len:  # the slack above is generous: a bug if reached
             raise ChunkFileError(f"{self.path}: header of {len(hjson)} bytes overflows its room")
         hjson += b" " * (self.header_len - len(hjson))  # safetensors allows space padding
-        os.pwrite(self.fd, self.header_len.to_bytes(8, "little") + hjson, 0)
+        self._pwrite_at(0, memoryview(self.header_len.to_bytes(8, "little") + hjson))
 
     def _pwrite(self, name: str, at: int, data: memoryview) -> None:
         self._pwrite_at(self.data_start + self.base[name] + at, data)
@@ -265,9 +278,50 @@ class ChunkWriter:
         # In slices: one pwrite of a whole record (hundreds of MB) runs at a fraction of the
         # page-cache speed that a few-MB pwrite gets (measured: bench/pack.py).
         data = memoryview(data).cast("B")
+        nbytes = len(data)
         while len(data):
             n = os.pwrite(self.fd, data[:_WRITE_SLICE], pos)
             data, pos = data[n:], pos + n
+        self._wrote(nbytes)
+
+    def _wrote(self, nbytes: int) -> None:
+        """Count bytes written to the file (every write of the writer comes here); past
+        :data:`SYNC_EVERY_BYTES` since the last background fdatasync started, start one.
+
+        Why: writeback then runs while the chunk streams, and the fsync at ``finish``, in
+        the tail of the run, has little left.  One at a time: a sync still running means
+        the disk is behind, a second would only queue; the next write tries again.
+        """
+        with self._sync_lock:
+            self._unsynced += nbytes
+            if self._unsynced < SYNC_EVERY_BYTES or self._sync_closed:
+                return
+            if self._sync_future is not None:
+                if not self._sync_future.done():
+                    return
+                self._sync_error = self._sync_error or self._sync_future.exception()
+                self._sync_future = None
+            if self._sync_error is not None:
+                return  # the chunk is lost already; finish() raises the error
+            self._unsynced = 0
+            if self._sync_pool is None:  # lazily: most small chunks never get here
+                self._sync_pool = ThreadPoolExecutor(1, thread_name_prefix="chunk-sync")
+            self._sync_future = self._sync_pool.submit(os.fdatasync, self.fd)
+
+    def _end_syncs(self) -> BaseException | None:
+        """Start no more background syncs, wait for the one in flight (the fd must stay open
+        until it returns: closed, its number could be another file's) and stop the thread.
+        Returns the error of any background sync."""
+        with self._sync_lock:
+            self._sync_closed = True
+            future, pool = self._sync_future, self._sync_pool
+            self._sync_future = self._sync_pool = None
+        error = self._sync_error
+        if future is not None:
+            error = error or future.exception()
+        if pool is not None:
+            pool.shutdown(wait=True)
+        return error
 
     def _check(self, j: int, input_ids: torch.Tensor, nbytes: tuple[int, int], dtype) -> None:
         n = self.lengths[j]
@@ -356,6 +410,7 @@ class ChunkWriter:
                         _splice(fd, offset, nbytes, self.fd, pos, r, w, step, src)
                     else:
                         _copy(fd, offset, nbytes, self.fd, pos, src)
+                    self._wrote(nbytes)  # not a pwrite: counted here
                     pos += nbytes
         finally:
             if r >= 0:
@@ -404,11 +459,26 @@ class ChunkWriter:
         self.blob.record_done(j)
 
     def finish(self) -> str:
-        """fsync, hash and rename into place; returns the sha256. Refuses if a record is missing."""
+        """fsync, hash and rename into place; returns the sha256. Refuses if a record is missing.
+        On any failure (a background sync's included) the temp file is removed, nothing renamed."""
         missing = [j for j, w in enumerate(self.written) if not w]
         if missing:
             self.abort()
             raise ChunkFileError(f"{self.path}: records {missing[:10]} never written")
+        try:
+            digest = self._finish()
+        except BaseException:
+            self.abort()  # as for a missing record: no temp file left behind
+            raise
+        os.replace(self.tmp, self.path)
+        dir_fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        return digest
+
+    def _finish(self) -> str:
         if self.codec == "lossless":
             end = self.blob.close()
             os.ftruncate(self.fd, self.data_start + self.fixed_bytes + end)
@@ -426,21 +496,21 @@ class ChunkWriter:
         # Hash (CPU, from the page cache) while fsync (disk) runs; both release the GIL.
         with ThreadPoolExecutor(max_workers=1) as pool:
             hashing = pool.submit(sha256_file, self.tmp)
+            # A background sync's error is the chunk's: Linux reports a writeback error
+            # once per open file, so the fsync below may well succeed after an EIO.
+            error = self._end_syncs()
+            if error is not None:
+                raise error
             os.fsync(self.fd)
             digest = hashing.result()
         os.close(self.fd)
         self.fd = -1
-        os.replace(self.tmp, self.path)
-        dir_fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
         return digest
 
     def abort(self) -> None:
         if self.codec == "lossless":
             self.blob.close()
+        self._end_syncs()  # before the close; its error is moot, the chunk is dropped
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -508,6 +578,7 @@ class _OrderedBlob:
         pos = w.data_start + w.base["blob"] + self.end
         if isinstance(parts[0], tuple):  # from the spill file
             _copy(self.spill_fd, parts[0][1], size, w.fd, pos, str(self.spill_path))
+            w._wrote(size)  # not through _pwrite_at: counted here
         else:
             for part in parts:
                 view = memoryview(part).cast("B")
