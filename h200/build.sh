@@ -51,20 +51,38 @@ if [ ! -f "$D/site.tar.xz" ] || [ "$(cat "$D/site.version" 2>/dev/null)" != "$V"
     rpds-py==2026.9.1 jsonschema-specifications==2025.9.1 soundfile==0.13.1 cffi==2.1.1
     pycparser==3.12)
   "$PY" -m pip download -q --no-deps "${PLAT[@]}" -d "$S" "${SGLANG[@]}"
-  K="$W/kernel/sglang_kernel-$KV-cp310-abi3-manylinux2014_x86_64.whl"
-  [ -f "$K" ] || "$PY" -m pip download -q --no-deps "${PLAT[@]}" -d "$W/kernel" "sglang-kernel==$KV"
+  # The wheel's platform tag differs between releases (0.4.4: manylinux2014): find it by name.
+  kwheel() { ls "$W"/kernel/sglang_kernel-"$KV"-*.whl 2>/dev/null | head -1; }
+  [ -n "$(kwheel)" ] || "$PY" -m pip download -q --no-deps "${PLAT[@]}" -d "$W/kernel" "sglang-kernel==$KV"
+  K=$(kwheel)
   # Without FA3 (flash_ops, 1.1-1.8 GB), FlashMLA, InfLLM and the SM100 build: serve with
   # --attention-backend triton (sgl_kernel imports only sm90/common_ops on Hopper).
   "$PY" h200/slim_kernel.py "$K" "$W/slim"
-  rm -rf /tmp/hsx-h200-stage && mkdir -p /tmp/hsx-h200-stage
-  "$PY" -m pip install -q --no-deps --no-compile --target /tmp/hsx-h200-stage/site "${PLAT[@]}" \
+  # A stage of its own: two builds at once (two releases, two worktrees) must not share one.
+  STAGE=$(mktemp -d /tmp/hsx-h200-stage.XXXXXX)
+  trap 'rm -rf "$STAGE"' EXIT
+  "$PY" -m pip install -q --no-deps --no-compile --target "$STAGE/site" "${PLAT[@]}" \
     "$S"/*.whl "$W/slim/$(basename "$K")"
-  # Not on the text-serving path: the diffusion runtime, the test suite, the gRPC core.
-  (cd /tmp/hsx-h200-stage/site && rm -rf sglang/multimodal_gen sglang/test bin share tools \
-    sglang/srt/grpc/_core.cpython-312-x86_64-linux-gnu.so && \
+  # 0.5.16 on: the HTTP server's function-call parsers import xgrammar unconditionally
+  # (inkling_detector, kimik3_detector); the image has none.  Its static library and C++
+  # headers are for building against it, not for the import.
+  if grep -qsE "^(from|import) xgrammar" "$STAGE"/site/sglang/srt/function_call/*.py; then
+    XG="$W/sglang-$V/extra"
+    ls "$XG"/xgrammar-"$(pin xgrammar)"-*.whl >/dev/null 2>&1 ||
+      "$PY" -m pip download -q --no-deps "${PLAT[@]}" -d "$XG" "xgrammar==$(pin xgrammar)"
+    "$PY" -m pip install -q --no-deps --no-compile --target "$STAGE/site" "${PLAT[@]}" "$XG"/xgrammar-*.whl
+    rm -rf "$STAGE"/site/xgrammar/lib "$STAGE"/site/xgrammar/include
+  fi
+  # Imports the payload cannot satisfy on paths the live tests never run (see the script).
+  "$PY" h200/site_fixups.py "$STAGE/site" "$V"
+  # Not on the text-serving path: the diffusion runtime, the test suite, the gRPC core, the
+  # embedded Rust server (0.5.17 on; SGLANG_RUST_SERVER only).
+  (cd "$STAGE/site" && rm -rf sglang/multimodal_gen sglang/test bin share tools \
+    sglang/srt/grpc/_core.cpython-312-x86_64-linux-gnu.so \
+    sglang/srt/server/_core.cpython-312-x86_64-linux-gnu.so && \
     find . -name __pycache__ -prune -exec rm -rf {} +)
-  echo "$V" > /tmp/hsx-h200-stage/site/.hsextract-sglang-version
-  (cd /tmp/hsx-h200-stage && tar -cf - site | xz -9e -T0 > "$OLDPWD/$D/site.tar.xz.tmp")
+  echo "$V" > "$STAGE/site/.hsextract-sglang-version"
+  (cd "$STAGE" && tar -cf - site | xz -9e -T0 > "$OLDPWD/$D/site.tar.xz.tmp")
   mv "$D/site.tar.xz.tmp" "$D/site.tar.xz"
   echo "$V" > "$D/site.version"
 fi

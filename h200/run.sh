@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# On the H200 machine (device tool, carry .devcarry/h200): unpack SGLang 0.5.14, install the
+# On the H200 machine (device tool, carry .devcarry/h200): unpack the SGLang release build.sh
+# packed (0.5.14 - 0.5.17; the live tests run whichever is installed), install the
 # workflow's wheels, restore the kernel cache, run the live tests (or a command), bring the
 # kernel cache back.  One device call runs one group of the live tests (each well under the
 # device's 600 s per command; groups in tests/live/conftest.py):
 #   bash h200/run.sh --group 1            # the workflow end to end   (2: fidelity, 3: faults,
-#                                         # 4: dp 2 on one GPU, 5: a DP worker killed)
+#                                         # 4: dp 2 on one GPU, 5: a DP worker killed,
+#                                         # 6: the installed release end to end)
 #   bash h200/run.sh --group 1 -k workflow   # extra pytest arguments after the group
 #   HSEXTRACT_RUN="python3 bench/sglang_live.py" bash h200/run.sh   # anything else
 # First it ends what an earlier call of this harness left running (a call killed at 600 s
@@ -75,7 +77,8 @@ fi
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 "$D"/wheels/*.whl \
   2>&1 | grep -v "^WARNING" | tail -3
 if [ -f "$D/jitcache.tar.xz" ] && [ ! -d /tmp/jitcache ]; then tar -xJf "$D/jitcache.tar.xz" -C /tmp; fi
-# /tmp/site first: SGLang 0.5.14 needs transformers 5.8.1 (the image's 5.17 breaks its import).
+# /tmp/site first: SGLang needs the transformers it pins (0.5.14: 5.8.1; the image's 5.17 breaks
+# its import).
 export PYTHONPATH=/tmp/site:/tmp/site2:$PWD/src
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OUT
 # NVLink multicast stays off, in every process the tests start (they inherit this env).
@@ -84,6 +87,7 @@ export TVM_FFI_CACHE_DIR=/tmp/jitcache/tvm-ffi TRITON_CACHE_DIR=/tmp/jitcache/tr
   FLASHINFER_WORKSPACE_BASE=/tmp/jitcache/fi
 df -h /dev/shm /tmp | tail -2
 echo "== ready after $(( $(date +%s) - T0 ))s: $(nvidia-smi --query-gpu=name,memory.used --format=csv,noheader)"
+[ -s /tmp/site/.hsextract-h200-fixups ] && sed 's/^/site fixup (h200\/site_fixups.py): /' /tmp/site/.hsextract-h200-fixups
 python3 -c "import sglang, snakemake, transformers; print('sglang', sglang.__version__, '| snakemake', snakemake.__version__, '| transformers', transformers.__version__)"
 set -o pipefail
 # Our own limit, under the device's 600 s: the logs below must still be collected.

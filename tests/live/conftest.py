@@ -21,6 +21,10 @@ GROUPS: dict[str, tuple[str, ...]] = {
     # ~120 s per dp-2 workflow, so the three variants fit one call and the kill gets its own.
     "4": ("test_dp2_on_one_gpu_end_to_end",),
     "5": ("test_dp_worker_killed_mid_chunk_on_live_sglang",),
+    # A release end to end (issue 22: each release the H200 runs, 0.5.14 - 0.5.17, one call
+    # each): hooks, then the patch with one chunk redone, both against HF.  Estimated
+    # (group 1 and 4's figures): fixture ~60 s, ~80-120 s per workflow, ~40 s the rerun.
+    "6": ("test_a_release_end_to_end_hooks_and_patch",),
 }
 GROUP_ENV = "HSEXTRACT_LIVE_GROUP"
 

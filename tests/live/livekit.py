@@ -33,6 +33,39 @@ LIVE_EXTRA_ARGS = [
 LIVE_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
 
 
+def installed_release():
+    """The declaration (``hsextract.sglang.versions``) of the SGLang release this python has
+    installed: what the workflow's own ``launch.release`` picks for :func:`live_config`'s
+    configs, which leave ``sglang.version`` null.  On the H200 it must be the release
+    ``h200/run.sh`` unpacked (``/tmp/site/.hsextract-sglang-version``)."""
+    from hsextract.sglang import versions
+    from hsextract.sglang.launch import installed_root, installed_version
+    from hsextract.sglang.patching import installed_version as version_in
+
+    version = installed_version(sys.executable)
+    root = installed_root(sys.executable)
+    found = version_in(root)
+    assert found == version, f"{root}: _version.py says {found}, its metadata {version}"
+    marker = root.parent / ".hsextract-sglang-version"
+    if marker.is_file():  # h200/run.sh's site
+        assert marker.read_text().strip() == version, f"{marker} vs installed {version}"
+    return versions.get(version)
+
+
+def deterministic_chunk(rel) -> int | None:
+    """The chunked prefill ``--enable-deterministic-inference`` needs with the live attention
+    backend (:data:`LIVE_EXTRA_ARGS`), from the release's declaration
+    (``deterministic_align``, ``prefill_backend_args``); None if it declares no alignment."""
+    from hsextract.sglang.launch import _option_value
+
+    args = (_option_value(LIVE_EXTRA_ARGS, f) for f in rel.prefill_backend_args)
+    backend = next((v for v in args if v), None)
+    for name, env_var, default in rel.deterministic_align:
+        if name == backend:
+            return int(LIVE_ENV.get(env_var, default))
+    return None
+
+
 def _w(g: torch.Generator, *shape: int, std: float = 0.02) -> torch.Tensor:
     return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
 
@@ -150,7 +183,8 @@ def write_records(path: Path, lengths: list[int], vocab: int, seed: int) -> list
 
 
 def live_config(workdir: Path, model: Path, inputs: list[str], **overrides: Any) -> Path:
-    """A workflow config for engine sglang on this machine's SGLang (this python)."""
+    """A workflow config for engine sglang on this machine's SGLang (this python); no
+    ``sglang.version``, so the workflow runs the installed release (:func:`installed_release`)."""
     cfg = yaml.safe_load((REPO / "config.yaml").read_text())
     cfg.update(
         engine="sglang",

@@ -1,4 +1,5 @@
-"""The production path against a live SGLang (0.5.14 on the H200): marker ``sglang_live``.
+"""The production path against a live SGLang (the installed release: 0.5.14, 0.5.15.post1,
+0.5.16 or 0.5.17 on the H200, whichever ``h200/build.sh`` packed): marker ``sglang_live``.
 
 Run there by ``h200/run.sh`` (see h200/README.md); deselected everywhere else (pyproject's
 addopts), never skipped.  What a test shows goes to ``$OUT`` as well as into its asserts.
@@ -22,11 +23,14 @@ import pytest
 import torch
 from fixtures_demo import planned_jobs, processes_under
 from livekit import (
+    LIVE_EXTRA_ARGS,
     build_tiny_dsv3,
     build_tiny_qwen3,
     compare_run,
+    deterministic_chunk,
     gpu_used_mib,
     hf_states,
+    installed_release,
     live_config,
     out_dir,
     snakemake,
@@ -35,6 +39,7 @@ from livekit import (
 )
 
 from hsextract.config import load_config
+from hsextract.sglang import patching
 
 pytestmark = pytest.mark.sglang_live
 
@@ -138,36 +143,75 @@ def _no_sglang_left(root: Path, timeout: float = 60) -> list[str]:
     return left
 
 
-def test_the_workflow_end_to_end_on_a_live_sglang(live):
-    """snakemake -j1 extract_all, every stage real: the installed SGLang patched and both
-    checksums verified, the GPU gated through NVML, SGLang started, chunks extracted and
-    equal to HF's forward, the manifest verified, no server left; then one chunk redone."""
-    wd = live.root / "workflow"
-    wd.mkdir()
-    # Deterministic inference (batch-invariant kernels) for a bit-exact rerun, if 0.5.14
-    # serves this model with it; else say so and run without.
-    # 0.5.14 aligns chunked prefill to 4096 tokens then (hsextract refuses a smaller
-    # chunk: it would never schedule a longer record), so these records go unchunked.
-    det = bool(os.environ.get("HSEXTRACT_LIVE_DET"))
-    extra = ["--enable-deterministic-inference"] if det else []
-    from livekit import LIVE_EXTRA_ARGS
+def _end_everything_under(wd: Path) -> list[str]:
+    """Stop what a workflow run in ``wd`` may have left (a test cut short by an assert or a
+    timeout): its live server through the run dir's record, then any process still
+    working under ``wd`` (the workflow, its jobs, watchdogs), TERM then KILL.  Returns what
+    was found running, for the report."""
+    from hsextract import server
 
-    overrides = {"sglang.extra_args": LIVE_EXTRA_ARGS + extra}
-    if det:
-        overrides["server.chunked_prefill_size"] = 4096
+    for state_dir in wd.glob("results/*/state"):
+        try:
+            server.stop_live(state_dir)
+        except Exception as exc:  # noqa: BLE001 - cleanup goes on; the record says why
+            print(f"stop_live({state_dir}): {exc}", flush=True)
+    left = processes_under(wd)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in left:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 15
+        while any(Path(f"/proc/{p}").exists() for p in left) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    return [f"{pid} {cmd}" for pid, cmd in left.items()]
+
+
+def _workflow_end_to_end(live, name: str, capture: str, *, rerun: bool) -> dict:
+    """``snakemake -j1 extract_all`` on the tiny DeepSeek-V3 with ``capture``, every stage
+    real, against the installed SGLang release (``livekit.installed_release``: what the
+    workflow's own ``launch.release`` picks, ``sglang.version`` being null): patched (or,
+    for hooks, left untouched) and both checksums verified, the GPU gated through NVML,
+    the launch command checked against that release's declared options, SGLang started,
+    chunks extracted and equal to HF's forward, the manifest verified, no server left.
+    With ``rerun``, one chunk deleted and redone (exactly one job).  Everything the run
+    starts is stopped in a ``finally``.  Returns what the report shows."""
+    rel = installed_release()
+    wd = live.root / name
+    wd.mkdir()
+    try:
+        return _run_end_to_end(live, wd, rel, name, capture, rerun=rerun)
+    finally:
+        found = _end_everything_under(wd)
+        if found:
+            _report(f"{name}: ended after the test", "\n".join(found))
+
+
+def _run_end_to_end(live, wd: Path, rel, name: str, capture: str, *, rerun: bool) -> dict:
+    # Deterministic inference (batch-invariant kernels) for a bit-exact rerun, if the
+    # release serves this model with it; else say so and run without.  Its chunked-prefill
+    # alignment for the live attention backend is the release's declaration (0.5.14 -
+    # 0.5.17: 4096 tokens for triton; hsextract refuses a smaller chunk: it would never
+    # schedule a longer record), so these records go unchunked then.
+    det = rerun and bool(os.environ.get("HSEXTRACT_LIVE_DET"))
+    extra = ["--enable-deterministic-inference"] if det else []
+    overrides: dict = {"capture": capture, "sglang.extra_args": LIVE_EXTRA_ARGS + extra}
+    if det and (align := deterministic_chunk(rel)) is not None:
+        overrides["server.chunked_prefill_size"] = align
     live_config(wd, live.dsv3, live.inputs, **overrides)
     t0 = time.monotonic()
     res = snakemake(wd, "-j1", "extract_all")
     deterministic = bool(extra) and res.returncode == 0
     launch_failed = "Error in rule launch_server" in res.stdout + res.stderr
-    if extra and res.returncode != 0 and launch_failed:  # 0.5.14 would not serve it: say so, go on
-        _report("workflow_deterministic_failed.log", res.stdout[-8000:] + res.stderr[-12000:])
+    if extra and res.returncode != 0 and launch_failed:  # not served so: say so, go on
+        _report(f"{name}_deterministic_failed.log", res.stdout[-8000:] + res.stderr[-12000:])
         for f in wd.glob("results/*/logs/server.log"):
-            _report("workflow_deterministic_server.log", f.read_text()[-20000:])
-        live_config(wd, live.dsv3, live.inputs)
+            _report(f"{name}_deterministic_server.log", f.read_text()[-20000:])
+        live_config(wd, live.dsv3, live.inputs, capture=capture)
         snakemake(wd, "--unlock")
         res = snakemake(wd, "-j1", "extract_all")
-    _report("workflow.log", res.stdout[-6000:] + res.stderr[-10000:])
+    _report(f"{name}.log", res.stdout[-6000:] + res.stderr[-10000:])
     assert res.returncode == 0, res.stderr[-6000:]
     os.chdir(wd)
     rd = _run_dir(wd)
@@ -175,25 +219,30 @@ def test_the_workflow_end_to_end_on_a_live_sglang(live):
     gate = json.loads((rd / "state" / "gpu_gate.json").read_text())
     srv = json.loads((rd / "state" / "server.json").read_text())
     manifest = json.loads((rd / "manifest.json").read_text())
-    _report(
-        "workflow_state.json",
-        {
-            "seconds": time.monotonic() - t0,
-            "deterministic_inference": deterministic,
-            "patch": patch,
-            "gpu_gate": gate,
-            "command_check": srv.get("command_check"),
-            "server_version": srv.get("server_version"),
-            "argv": srv["spec"]["argv"],
-            "totals": manifest["totals"],
-        },
-    )
-    # "already-patched" on a machine an earlier run left warm (its SGLang stays patched).
-    assert patch["version"] == "0.5.14" and patch["action"] in ("applied", "already-patched")
-    assert patch["pristine_sha256"].startswith("947fdc25")
-    assert patch["found_sha256"] == patch["patched_sha256"]
+    shown = {
+        "sglang": rel.version,
+        "capture": capture,
+        "seconds": round(time.monotonic() - t0, 1),
+        "deterministic_inference": deterministic,
+        "patch": patch,
+        "gpu_gate": gate,
+        "command_check": srv.get("command_check"),
+        "server_version": srv.get("server_version"),
+        "argv": srv["spec"]["argv"],
+        "totals": manifest["totals"],
+    }
+    _report(f"{name}_state.json", shown)
+    assert patch["version"] == rel.version, (patch, rel.version)
+    if capture == "patch":
+        # "already-patched" on a machine an earlier run left warm (its SGLang stays patched).
+        spec = patching.load_spec(rel.version)
+        assert patch["action"] in ("applied", "already-patched"), patch
+        assert patch["pristine_sha256"] == spec.pristine_sha256
+        assert patch["found_sha256"] == patch["patched_sha256"] == spec.patched_sha256
+    else:  # hooks modify no file
+        assert patch["action"] == "none", patch
     assert gate["nvml"] and len(gate["gpus"]) == 1 and "H200" in gate["gpus"][0]["name"]
-    assert srv["command_check"]["version"] == "0.5.14"
+    assert srv["command_check"]["version"] == rel.version
     assert "--cuda-graph-backend-prefill" in srv["command_check"]["options_checked"]
     assert manifest["totals"]["records"] == len(live.records)
     assert _verify(rd).returncode == 0, _verify(rd).stdout
@@ -202,9 +251,10 @@ def test_the_workflow_end_to_end_on_a_live_sglang(live):
     assert gpu_used_mib() < 2000
     chunks = sorted((rd / "hidden").glob("chunk_*.safetensors"))
     cps = load_config(wd / "config.yaml")["server"]["chunked_prefill_size"]
-    title = f"workflow: patch, chunked prefill {cps}, 8 in flight"
-    text = _fidelity(live, live.dsv3, chunks, title)
-    _report("fidelity_workflow.txt", text)
+    title = f"{name}: SGLang {rel.version}, {capture}, chunked prefill {cps}, 8 in flight"
+    _report(f"fidelity_{name}.txt", _fidelity(live, live.dsv3, chunks, title))
+    if not rerun:
+        return shown
 
     # Rerun one chunk: exactly one extract job; bit-exact with deterministic inference.
     victim = chunks[1]
@@ -217,19 +267,52 @@ def test_the_workflow_end_to_end_on_a_live_sglang(live):
     assert res.returncode == 0, res.stderr[-6000:]
     after = victim.read_bytes()
     redone = re.findall(r"^(?:local)?rule extract_chunk:", res.stdout + res.stderr, re.M)
-    _report(
-        "rerun_one_chunk.json",
-        {
-            "deterministic_inference": deterministic,
-            "extract_jobs": len(redone),
-            "bit_exact": after == before,
-            "bytes": len(after),
-        },
-    )
+    shown["rerun"] = {
+        "deterministic_inference": deterministic,
+        "extract_jobs": len(redone),
+        "bit_exact": after == before,
+        "bytes": len(after),
+    }
+    _report(f"{name}_rerun_one_chunk.json", shown["rerun"])
     assert len(redone) == 1
     _fidelity(live, live.dsv3, sorted((rd / "hidden").glob("chunk_*.safetensors")), "rerun")
     if deterministic:
         assert after == before, "deterministic inference, yet the rerun chunk differs"
+    left = _no_sglang_left(live.root)
+    assert not left, left
+    return shown
+
+
+def test_the_workflow_end_to_end_on_a_live_sglang(live):
+    """snakemake -j1 extract_all through the patch, every stage real: the installed SGLang
+    patched and both checksums verified, the GPU gated through NVML, SGLang started, chunks
+    extracted and equal to HF's forward, the manifest verified, no server left; then one
+    chunk redone (bit-exact with ``HSEXTRACT_LIVE_DET=1``)."""
+    _workflow_end_to_end(live, "workflow", "patch", rerun=True)
+
+
+def test_a_release_end_to_end_hooks_and_patch(live):
+    """One SGLang release (the installed one) end to end, as issue 22 asks of each release
+    the H200 can run (0.5.14 - 0.5.17): the workflow through hooks on a pristine install
+    (SGLang left untouched), then through the patch, each run's every record against HF's
+    forward, then one chunk deleted and redone (exactly one job)."""
+    rel = installed_release()
+    t0 = time.monotonic()
+    hooks = _workflow_end_to_end(live, "release-hooks", "hooks", rerun=False)
+    patch = _workflow_end_to_end(live, "release-patch", "patch", rerun=True)
+    _report(
+        f"release {rel.version} end to end",
+        {
+            "sglang": rel.version,
+            "hooks design": rel.hooks,
+            "sglang_kernel": rel.sglang_kernel,
+            "hooks_seconds": hooks["seconds"],
+            "patch_seconds": patch["seconds"],
+            "patch_action": patch["patch"]["action"],
+            "rerun": patch["rerun"],
+            "seconds": round(time.monotonic() - t0, 1),
+        },
+    )
 
 
 def _data_stage(live, workdir: Path, model: Path) -> tuple[dict, Path]:
@@ -287,7 +370,6 @@ def test_fidelity_across_chunking_batching_capture_and_architectures(live):
     HF's forward of the same weights.  The servers share the GPU (a fixed KV pool each)
     and start at once."""
     from hsextract import server
-    from hsextract.sglang import patching
     from hsextract.steps import _installed_sglang_root
 
     wd = live.root / "matrix"
