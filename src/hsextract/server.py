@@ -9,9 +9,13 @@ Files (per run dir):
 - ``state/server.json``: what ``launch_server`` recorded (the Snakemake output; never
   rewritten afterwards, so it never invalidates finished chunks);
 - ``state/server.<host>.live.json``: the process serving now on this host (pid, url,
-  watchdog), rewritten by every relaunch.  Per host, so chunk jobs spread over nodes each
-  own their node's server; inside a SLURM job per job, ``server.<host>.job<N>.live.json``
-  (:func:`host_key`), whose server lives as long as that allocation.
+  watchdog), rewritten by every relaunch.  ``launch_server`` does not wait for the
+  server to load: the first chunk job to see it healthy adds ``healthy_at``,
+  ``model_info`` and ``server_version`` here (:func:`wait_healthy`); one that failed to
+  start gets ``failed`` (why, with the log's last lines) instead.  Per host, so chunk
+  jobs spread over nodes each own their node's server; inside a SLURM job per job,
+  ``server.<host>.job<N>.live.json`` (:func:`host_key`), whose server lives as long as
+  that allocation.
 """
 
 from __future__ import annotations
