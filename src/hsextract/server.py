@@ -309,7 +309,9 @@ class _Superseded(Exception):
 
 
 def _same_server(a: dict | None, b: dict | None) -> bool:
-    return bool(a and b) and (a["pid"], a["started_at"]) == (b["pid"], b["started_at"])  # type: ignore[index]
+    if not a or not b:
+        return False
+    return (a.get("pid"), a.get("started_at")) == (b.get("pid"), b.get("started_at"))
 
 
 def _exited(state: dict) -> str | None:
