@@ -468,6 +468,8 @@ def run_hsextract(work: Path, cfg_path: Path, jobs: int, tokens: int, timeout_s:
             rc = f"timed out after {timeout_s:.0f} s (rc {rc})"
         t_end = time.time()
         watch.join()
+        if not healthy:  # the live file went before the watcher saw it healthy
+            healthy += _healthy_from_sidecars(work / "results")
         stop_reclaim.set()
         if reclaim:
             reclaimer.join()
@@ -502,6 +504,8 @@ def run_hsextract(work: Path, cfg_path: Path, jobs: int, tokens: int, timeout_s:
         first_chunk_started=round(min(s["started_at"] for s in sidecars) - healthy, 2)
         if sidecars else None,
         waited_for_turn_s=round(sum(s["waited_for_turn_s"] for s in sidecars), 1),
+        waited_for_server_s=round(max((s.get("waited_for_server_s", 0) for s in sidecars),
+                                      default=0), 1),
         shm_peak_in_sidecars_gb=round(max((s["shm_peak_bytes"] for s in sidecars), default=0)
                                       / 1e9, 2),
     )  # fmt: skip
@@ -589,17 +593,36 @@ def run_fault(work: Path, n_records: int, n_chunks: int, jobs: int, deadline: fl
 
 
 def _watch_server(results: Path, proc: subprocess.Popen, found: list) -> None:
-    """When the workflow's server became healthy: its state/server.json exists only while
-    it runs (the workflow's onsuccess stops it and removes the file)."""
+    """When the workflow's server became healthy: launch_server does not wait for it, so
+    the first chunk job to see it healthy records ``healthy_at`` in the live state file
+    (``state/server.<host>.live.json``), which exists only while the run does (onsuccess
+    stops the server and removes it); :func:`_healthy_from_sidecars` is the fallback."""
     while proc.poll() is None and not found:
-        for p in results.glob("*/state/server.json"):
+        for p in results.glob("*/state/server.*.live.json"):
             try:
                 st = json.loads(p.read_text())
             except (OSError, ValueError):
                 continue  # being written
-            found += [float(st.get("healthy_at") or st["started_at"]), str(p.parent.parent)]
-            break
-        time.sleep(0.2)
+            if st.get("healthy_at"):
+                found += [float(st["healthy_at"]), str(p.parent.parent)]
+                break
+        time.sleep(0.1)
+
+
+def _healthy_from_sidecars(results: Path) -> list:
+    """[healthy_at, run dir] from the chunks' sidecars (each names the server it used)."""
+    for run in results.glob("*/"):
+        times = []
+        for p in (run / "hidden").glob("chunk_*.json"):
+            try:
+                t = json.loads(p.read_text()).get("server", {}).get("healthy_at")
+            except (OSError, ValueError):
+                continue
+            if t:
+                times.append(float(t))
+        if times:
+            return [min(times), str(run)]
+    return []
 
 
 def verify_hsextract(run: Path, deadline: float) -> dict:

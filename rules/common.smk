@@ -192,7 +192,7 @@ def hold_run():
 
 
 def stop_servers():
-    if stop_live(RUN / "state"):
+    if stop_live(RUN / "state", keep_failed=True):
         print(f"hsextract: stopped the extraction server of {RUN}")
     forget_finished_jobs(RUN / "state")  # servers of SLURM jobs died with their job
     remove_dump_dir_if_empty(dump_dir(CFG))

@@ -281,3 +281,150 @@ def test_automatic_ports_avoid_the_ephemeral_range(monkeypatch):
     ports = [server.free_port() for _ in range(300)]
     assert all(p < 30000 or 60999 < p <= 65535 for p in ports)
     assert any(p > 60999 for p in ports) and any(p < 30000 for p in ports)
+
+
+# -- a server still loading: waited for, never replaced (launch_server does not wait) ----
+
+# /health and the rest once the file argv[3] exists (a model still loading); with argv[4],
+# it exits with that code instead (a load that fails), its last words in the log.
+GATED_SERVER = (
+    """
+import os, sys, time
+while not os.path.exists(sys.argv[3]):
+    time.sleep(0.02)
+if len(sys.argv) > 4:
+    print("loading failed: injected for the test", flush=True)
+    sys.exit(int(sys.argv[4]))
+"""
+    + HEALTH_SERVER
+)
+
+
+def gated_spec(tmp_path: Path, gate: Path, *extra: str, timeout: float = 120) -> ServerSpec:
+    port = server.free_port()
+    argv = [sys.executable, "-c", GATED_SERVER, "--port", str(port), str(gate), *extra]
+    return spec_for(tmp_path, argv, port=port, timeout=timeout)
+
+
+def in_thread(fn):
+    """Run ``fn`` in a thread; the future holds its result or exception."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(fn)
+    pool.shutdown(wait=False)
+    return future
+
+
+def test_ensure_waits_for_a_starting_server_and_records_when_it_became_healthy(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv(server.OWNER_ENV, str(os.getpid()))
+    state_dir, gate = tmp_path / "state", tmp_path / "loaded"
+    spec = gated_spec(tmp_path, gate)
+    gates = []
+    first = server.ensure(spec, state_dir, gate=lambda: gates.append(1), wait=False)
+    try:
+        live = server.read_json(server.live_path(state_dir))
+        assert live["pid"] == first["pid"] and server.pid_alive(first["pid"])
+        assert {"pgid", "watchdog_pid", "url", "started_at", "spec"} <= set(live)
+        assert "healthy_at" not in live and gates == [1]
+        assert server.starting(live, spec) and not server.is_serving(live, spec)
+        # Two chunk jobs find it loading: both wait (outside the lock), neither replaces it.
+        waiters = [in_thread(lambda: server.ensure(spec, state_dir, gate=lambda: gates.append(1)))
+                   for _ in range(2)]  # fmt: skip
+        assert not any(w.done() for w in waiters)
+        gate.touch()
+        states = [w.result(timeout=120) for w in waiters]
+        assert {s["pid"] for s in states} == {first["pid"]} and gates == [1]
+        live = server.read_json(server.live_path(state_dir))
+        assert live["healthy_at"] >= live["started_at"]
+        assert live["model_info"] == {"engine": "stub"} and "server_version" in live
+        assert {s["healthy_at"] for s in states} == {live["healthy_at"]}  # recorded once
+        # Healthy now: the next ensure() reuses it as before.
+        assert server.ensure(spec, state_dir)["healthy_at"] == live["healthy_at"]
+    finally:
+        gate.touch()
+        server.stop_live(state_dir)
+        server.stop(first)
+
+
+def test_a_server_dying_while_it_starts_is_recorded_and_fails_every_waiter_at_once(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv(server.OWNER_ENV, str(os.getpid()))
+    state_dir, gate = tmp_path / "state", tmp_path / "loaded"
+    spec = gated_spec(tmp_path, gate, "3")
+    gates = []
+    first = server.ensure(spec, state_dir, gate=lambda: gates.append(1), wait=False)
+    try:
+        waiter = in_thread(lambda: server.ensure(spec, state_dir))
+        gate.touch()  # it exits with code 3 now
+        with pytest.raises(ServerError) as exc:
+            waiter.result(timeout=120)
+        message = str(exc.value)
+        assert "exited with code 3 before becoming healthy" in message
+        assert "loading failed: injected for the test" in message and "server.log" in message
+        live = server.read_json(server.live_path(state_dir))
+        assert live["failed"] == message and live["pid"] == first["pid"]
+        assert wait_dead(first["watchdog_pid"])  # stopped, watchdog too
+        # The next chunk job of this workflow fails at once, with the same words, and
+        # starts nothing (no gate, no new process, one start in the log).
+        with pytest.raises(ServerError) as again:
+            server.ensure(spec, state_dir, gate=lambda: gates.append(1))
+        assert str(again.value) == message and gates == [1]
+        assert server.read_json(server.live_path(state_dir))["pid"] == first["pid"]
+        assert Path(spec.log_path).read_text().count("start: ") == 1
+        # A fresh workflow (another owner) starts afresh.
+        owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        try:
+            monkeypatch.setenv(server.OWNER_ENV, str(owner.pid))
+            monkeypatch.delenv(server.OWNER_START_ENV, raising=False)
+            monkeypatch.delenv(server.OWNER_SCOPE_ENV, raising=False)
+            fixed = health_spec(tmp_path)  # same run and settings, the fault gone
+            state = server.ensure(fixed, state_dir, gate=lambda: gates.append(1))
+            assert state["pid"] != first["pid"] and "failed" not in state and gates == [1, 1]
+            assert state["owner_pid"] == owner.pid and server.health(state["url"])
+        finally:
+            server.stop_live(state_dir)
+            owner.kill()
+            owner.wait()
+    finally:
+        server.stop(first)
+
+
+def test_a_start_past_health_timeout_is_stopped_and_recorded(tmp_path, monkeypatch):
+    """The wait counts from started_at: a chunk job that finds the server loading waits
+    only what is left of server.health_timeout_s."""
+    monkeypatch.setenv(server.OWNER_ENV, str(os.getpid()))
+    state_dir, gate = tmp_path / "state", tmp_path / "never"
+    spec = gated_spec(tmp_path, gate, timeout=1.0)
+    first = server.ensure(spec, state_dir, wait=False)
+    try:
+        with pytest.raises(ServerError, match=r"not healthy after 1s \(server.health_timeout_s\)"):
+            server.ensure(spec, state_dir)
+        assert wait_dead(first["pid"]), "the server that never became healthy was left running"
+        assert "health_timeout_s" in server.read_json(server.live_path(state_dir))["failed"]
+    finally:
+        server.stop_live(state_dir)
+        server.stop(first)
+
+
+def test_a_server_gone_before_anyone_waited_is_a_failed_start_not_relaunched(tmp_path, monkeypatch):
+    """A bad flag: the server exits before the first chunk job looks.  That job reports it
+    (and records it); it does not start the same broken command again."""
+    monkeypatch.setenv(server.OWNER_ENV, str(os.getpid()))
+    state_dir = tmp_path / "state"
+    code = "import sys; print('error: unrecognized arguments: --bogus', flush=True); sys.exit(2)"
+    spec = spec_for(tmp_path, [sys.executable, "-c", code, "--port", "1"])
+    gates = []
+    first = server.ensure(spec, state_dir, gate=lambda: gates.append(1), wait=False)
+    try:
+        assert wait_dead(first["pid"])
+        with pytest.raises(ServerError, match="exited with code 2 before becoming healthy") as e:
+            server.ensure(spec, state_dir, gate=lambda: gates.append(1))
+        assert "unrecognized arguments: --bogus" in str(e.value) and gates == [1]
+        assert server.read_json(server.live_path(state_dir))["failed"] == str(e.value)
+    finally:
+        server.stop_live(state_dir)
+        server.stop(first)

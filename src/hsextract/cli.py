@@ -80,7 +80,8 @@ def _server(args: argparse.Namespace) -> int:
     if args.action == "status":
         state = server.read_json(server.live_path(state_dir))
         alive = server.is_serving(state, spec)
-        stale = bool(state) and not alive and server.pid_alive(state.get("pid"))
+        loading = server.starting(state, spec) and not alive
+        stale = bool(state) and not alive and not loading and server.pid_alive(state.get("pid"))
         print(
             json.dumps(
                 {
@@ -88,6 +89,10 @@ def _server(args: argparse.Namespace) -> int:
                     "serving": alive,
                     # alive but with other settings (or unhealthy): ensure() replaces it
                     "stale": stale,
+                    # alive, loading its model: chunk jobs wait for it
+                    "starting": loading,
+                    # its start failed (state.failed says why)
+                    "failed": (state or {}).get("failed"),
                     "state": state,
                 },
                 indent=2,

@@ -392,7 +392,10 @@ class Client:
         self.cfg = cfg = typed(cfg)
         self.geo = geo
         self.ensure = ensure
-        self.state = ensure()
+        t = time.monotonic()
+        self.state = ensure()  # waits for a server still loading (launch_server did not)
+        #: Seconds this job waited for a healthy server before its first request.
+        self.waited_for_server = time.monotonic() - t
         self.session = requests.Session()
         # A connection per request in flight: requests keeps 10 per host and drops the rest
         # after use, so at 16 in flight (the 8B config) every request past the tenth opened
@@ -624,7 +627,11 @@ def _extract_chunk(
             f"of dump space, more than dump.shm_budget_gb={cfg.dump.shm_budget_gb}"
             f"{budget_keys(cfg)} ({budget_bytes / 2**20:.2f} MiB); raise it"
         )
+    tracker.set_phase("server")  # waiting for the server (it may still be loading)
     client = Client(cfg, geo, ensure)
+    tracker.set_phase("sending")
+    if client.waited_for_server >= 1:
+        log.info("%s: waited %.1f s for the server to load", name, client.waited_for_server)
     stale = client.remove_stale_pieces(name)
     if stale:
         log.info("%s: removed dump pieces of an interrupted earlier attempt: %s", name, stale)
@@ -727,7 +734,8 @@ def _extract_chunk(
         shm.close()
     pool.shutdown(wait=True)
     check = check_chunk(out_path, expect_records=len(records))
-    seconds = time.monotonic() - t0
+    # The extraction, not the server's load: a chunk job starts while the model loads.
+    seconds = time.monotonic() - t0 - client.waited_for_server
     sidecar = {
         "chunk": name,
         "path": Path(out_path).name,
@@ -740,7 +748,8 @@ def _extract_chunk(
         "sha256": sha,
         "seconds": round(seconds, 3),
         # Wall clock, for `hsextract status` (its rates; an mtime does not survive a copy).
-        "started_at": round(tracker.data["started_at"], 3),
+        # Once the server answered (waited_for_server_s after the job began).
+        "started_at": round(tracker.data["started_at"] + client.waited_for_server, 3),
         "finished_at": round(time.time(), 3),
         "tokens_per_s": round(total_tokens / seconds, 1) if seconds > 0 else math.inf,
         "fingerprint": fp,
@@ -758,6 +767,7 @@ def _extract_chunk(
         # Wall clock [took its turn to send, sent its last record].
         "sending": [round(turn.taken_at or 0.0, 3), round(turn.released_at or 0.0, 3)],
         "waited_for_turn_s": round(waited, 3),
+        "waited_for_server_s": round(client.waited_for_server, 3),
     }
     from hsextract.server import write_json
 
@@ -778,6 +788,7 @@ def _server_record(state: dict) -> dict:
         "version": state.get("server_version"),
         "pid": state.get("pid"),
         "started_at": state.get("started_at"),
+        "healthy_at": state.get("healthy_at"),
     }
 
 

@@ -722,6 +722,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if faults.ACTIVE:  # tests only: a model load that is slow, or fails
+        faults.on_load()
     if args.threads:
         torch.set_num_threads(args.threads)
     writer = None

@@ -25,6 +25,10 @@ Spec (every key optional)::
       "chunk_write": [               # in the workflow's chunk writer (ChunkWriter.put)
         {"chunk": "chunk_00001", "nth": [3], "do": "enospc"}
       ],
+      "load": [                      # in the engine, before it loads its model and binds
+        {"do": "wait", "gate": "/tmp/x/loaded", "timeout_s": 600},
+        {"do": "exit", "code": 3}
+      ],
       "extend": [                    # after each extend pass holding a matching request
         {"rid": "chunk_00001", "nth": [1], "do": "slow" | "kill", "seconds": 3},
         {"rid": "chunk_00001", "nth": [1], "do": "wait", "gate": "/tmp/x/go",
@@ -48,6 +52,9 @@ list, or ``"all"``, the default).  Actions:
   request outlives the client's timeout with passes still to run;
 - extend ``kill``: SIGKILL the process that ran the pass -- with ``--dp-size`` > 1 one DP
   worker, mid-chunk, the others living on;
+- load ``wait``: the engine loads its model (and answers /health) only once the file
+  ``gate`` exists -- a slow model load, on an event; load ``exit``: it exits with ``code``
+  (default 3) before loading, as a server refusing a flag or out of memory would;
 - ``wait``: the scheduler stops after the pass until the file ``gate`` exists (the fault
   is logged when the wait begins, so a test sees the server held mid-request and releases
   it by creating the file).  A test holds a run on this event, never on a duration a slow
@@ -62,6 +69,7 @@ import json
 import os
 import signal
 import struct
+import sys
 import threading
 import time
 from pathlib import Path
@@ -72,6 +80,7 @@ _GENERATE_ACTIONS = {"500", "hang", "kill"}
 _PIECE_ACTIONS = {"truncate", "bad_header", "drop", "flip_id"}
 _WRITE_ACTIONS = {"enospc"}
 _EXTEND_ACTIONS = {"slow", "kill", "wait"}
+_LOAD_ACTIONS = {"wait", "exit"}
 
 
 class FaultSpecError(ValueError):
@@ -93,6 +102,7 @@ def load(raw: str | None) -> dict[str, Any] | None:
         ("piece", _PIECE_ACTIONS),
         ("chunk_write", _WRITE_ACTIONS),
         ("extend", _EXTEND_ACTIONS),
+        ("load", _LOAD_ACTIONS),
     ):
         for rule in spec.get(key, []):
             if rule.get("do") not in actions:
@@ -183,8 +193,23 @@ def after_extend(rids: list[str]) -> None:
         return
 
 
-def _wait_for_gate(gate: Path, timeout_s: float, rid: str) -> None:
-    _fired("wait", rid=rid, gate=str(gate))
+def on_load() -> None:
+    """Called by the engine before it loads its model: a load held on a gate, or one that
+    fails (the server exits before ever answering /health)."""
+    rule = _match("load", "engine", "engine")
+    if rule is None:
+        return
+    if rule["do"] == "exit":
+        code = int(rule.get("code", 3))
+        _fired("load_exit", code=code)
+        sys.stderr.write(f"injected fault: the engine exits with code {code} while loading\n")
+        sys.stderr.flush()
+        os._exit(code)
+    _wait_for_gate(Path(rule["gate"]), float(rule.get("timeout_s", 600)), "(load)", "load_wait")
+
+
+def _wait_for_gate(gate: Path, timeout_s: float, rid: str, what: str = "wait") -> None:
+    _fired(what, rid=rid, gate=str(gate))
     deadline = time.monotonic() + timeout_s
     while not gate.exists():
         if time.monotonic() > deadline:

@@ -141,8 +141,19 @@ def activations_figure(sidecars: list[dict], out: Path) -> None:
     _save(fig, out)
 
 
-def run_table(manifest: dict, gate: dict, patch: dict, server: dict, out: Path) -> None:
-    """Versions, the server command, the GPU gate's readings: one HTML page."""
+def run_table(
+    manifest: dict,
+    gate: dict,
+    patch: dict,
+    server: dict,
+    out: Path,
+    sidecars: list[dict] | None = None,
+) -> None:
+    """Versions, the server command, the GPU gate's readings: one HTML page.
+
+    The server's version is the one the chunks' sidecars name (the server that produced
+    them; launch_server records none, it does not wait for the server to answer).
+    """
 
     def row(k: str, v: object) -> str:
         return f"<tr><th>{html.escape(k)}</th><td><code>{html.escape(str(v))}</code></td></tr>"
@@ -154,7 +165,10 @@ def run_table(manifest: dict, gate: dict, patch: dict, server: dict, out: Path) 
 
     versions = {
         "hsextract": __version__,
-        "server": server.get("server_version"),
+        "server": ", ".join(
+            sorted({str(v) for c in sidecars or [] if (v := c.get("server", {}).get("version"))})
+        )
+        or server.get("server_version"),
         "engine": manifest.get("engine"),
         "codec": manifest.get("codec"),
         "fingerprint": manifest.get("fingerprint"),
@@ -217,4 +231,5 @@ def make_all(
         json.loads(Path(patch).read_text()),
         json.loads(Path(server).read_text()) if Path(server).exists() else {},
         out["run"],
+        sidecars,
     )

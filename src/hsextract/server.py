@@ -9,9 +9,13 @@ Files (per run dir):
 - ``state/server.json``: what ``launch_server`` recorded (the Snakemake output; never
   rewritten afterwards, so it never invalidates finished chunks);
 - ``state/server.<host>.live.json``: the process serving now on this host (pid, url,
-  watchdog), rewritten by every relaunch.  Per host, so chunk jobs spread over nodes each
-  own their node's server; inside a SLURM job per job, ``server.<host>.job<N>.live.json``
-  (:func:`host_key`), whose server lives as long as that allocation.
+  watchdog), rewritten by every relaunch.  ``launch_server`` does not wait for the
+  server to load: the first chunk job to see it healthy adds ``healthy_at``,
+  ``model_info`` and ``server_version`` here (:func:`wait_healthy`); one that failed to
+  start gets ``failed`` (why, with the log's last lines) instead.  Per host, so chunk
+  jobs spread over nodes each own their node's server; inside a SLURM job per job,
+  ``server.<host>.job<N>.live.json`` (:func:`host_key`), whose server lives as long as
+  that allocation.
 """
 
 from __future__ import annotations
@@ -244,11 +248,19 @@ def log_tail(path: str | Path, lines: int = 30) -> str:
         return "(no log)"
 
 
-def start(spec: ServerSpec, *, owner: int | None = None) -> dict:
-    """Start the server detached, start its watchdog, wait for health; return live state.
+#: The servers this process started, by pid: their exit code is known here (a server
+#: started by another process, the launch_server job, is only seen alive or gone).
+_children: dict[int, subprocess.Popen] = {}
 
-    ``owner`` (default :func:`owner_pid`) is the process whose end stops it, through the
-    watchdog; none that runs now, no server.
+
+def start(spec: ServerSpec, *, owner: int | None = None, wait: bool = True) -> dict:
+    """Start the server detached and its watchdog; return its state.
+
+    With ``wait`` (the default) return once it is healthy (:func:`wait_healthy`); without,
+    at once: its state then has no ``healthy_at``, and whoever needs the server waits for
+    it (``ensure()``: the chunk jobs, while the model loads).  ``owner`` (default
+    :func:`owner_pid`) is the process whose end stops it, through the watchdog; none that
+    runs now, no server.
     """
     from hsextract.budget import _start_time
 
@@ -270,6 +282,7 @@ def start(spec: ServerSpec, *, owner: int | None = None) -> dict:
         proc = subprocess.Popen(
             argv, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
         )
+    _children[proc.pid] = proc
     watchdog = subprocess.Popen(
         [sys.executable, "-m", "hsextract.watchdog", str(owner), str(proc.pid), owner_start],
         stdin=subprocess.DEVNULL,
@@ -288,30 +301,109 @@ def start(spec: ServerSpec, *, owner: int | None = None) -> dict:
         "started_at": time.time(),
         "spec": asdict(spec),
     }
-    deadline = time.monotonic() + spec.health_timeout_s
-    # The key the client will send, whether or not the recorded spec knew of one.
-    api_key = os.environ.get(spec.api_key_env or API_KEY_ENV)
+    return wait_healthy(state) if wait else state
+
+
+class _Superseded(Exception):
+    """The live file names another server than the one waited for: look again."""
+
+
+def _same_server(a: dict | None, b: dict | None) -> bool:
+    if not a or not b:
+        return False
+    return (a.get("pid"), a.get("started_at")) == (b.get("pid"), b.get("started_at"))
+
+
+def _exited(state: dict) -> str | None:
+    """How the server exited, if it did (its exit code when this process started it)."""
+    proc = _children.get(int(state["pid"]))
+    if proc is not None:
+        code = proc.poll()
+        return None if code is None else f"exited with code {code}"
+    return None if pid_alive(state["pid"]) else f"exited (pid {state['pid']} is gone)"
+
+
+def wait_healthy(state: dict, *, live: Path | None = None, poll_s: float = 0.1) -> dict:
+    """Wait until the server of ``state`` answers /health; return its state, healthy.
+
+    The one wait for a starting server, in whichever process waits: the one that started
+    it, or a chunk job that found it starting (``ensure()``).  It waits until
+    ``started_at + health_timeout_s``.  Healthy: ``healthy_at``, ``model_info`` and
+    ``server_version`` are added.  Dead or timed out: it is stopped and :class:`ServerError`
+    says why, with the log's last lines.  With ``live`` (the live state file), both are
+    recorded there under its lock, once, by the first to see them, and a waiter returns
+    (or fails with the recorded message) as soon as another has.
+    """
+    spec = ServerSpec(**state["spec"])
+    deadline = float(state["started_at"]) + spec.health_timeout_s
+    api_key = _api_key_for(state["spec"])  # the key the client will send
     while True:
-        if proc.poll() is not None:
-            stop(state)
-            raise ServerError(
-                f"{spec.engine} server exited with code {proc.returncode} before becoming "
-                f"healthy; last lines of {spec.log_path}:\n{log_tail(spec.log_path)}"
+        if live is not None:
+            current = read_json(live)
+            if not _same_server(current, state):
+                raise _Superseded
+            assert current is not None
+            if current.get("failed"):
+                raise ServerError(current["failed"])
+            if current.get("healthy_at"):
+                return current
+        exited = _exited(state)
+        if exited:
+            _fail(
+                state,
+                live,
+                f"{spec.engine} server {exited} before becoming healthy; last lines of "
+                f"{spec.log_path}:\n{log_tail(spec.log_path)}",
             )
         if health(spec.url, timeout=2.0, api_key=api_key):
             break
-        if time.monotonic() > deadline:
-            stop(state)
-            raise ServerError(
+        if time.time() > deadline:
+            _fail(
+                state,
+                live,
                 f"{spec.engine} server not healthy after {spec.health_timeout_s:.0f}s "
                 f"(server.health_timeout_s); last lines of {spec.log_path}:\n"
-                f"{log_tail(spec.log_path)}"
+                f"{log_tail(spec.log_path)}",
             )
-        time.sleep(0.2)
-    state["healthy_at"] = time.time()
-    state["model_info"] = model_info(spec.url, api_key)
-    state["server_version"] = server_version(spec.url, api_key)
-    return state
+        time.sleep(poll_s)
+    healthy = {
+        **state,
+        "healthy_at": time.time(),
+        "model_info": model_info(spec.url, api_key),
+        "server_version": server_version(spec.url, api_key),
+    }
+    if live is None:
+        return healthy
+    from filelock import FileLock
+
+    with FileLock(str(live) + ".lock"):
+        current = read_json(live)
+        if not _same_server(current, state):
+            return healthy  # replaced meanwhile: the caller finds out at its next request
+        assert current is not None
+        if current.get("healthy_at") or current.get("failed"):
+            if current.get("failed"):
+                raise ServerError(current["failed"])
+            return current  # another waiter recorded it first
+        write_json(live, healthy)
+    return healthy
+
+
+def _fail(state: dict, live: Path | None, message: str) -> None:
+    """Stop a server that failed to start, record why in the live file, raise."""
+    stop(state)
+    if live is not None:
+        from filelock import FileLock
+
+        with FileLock(str(live) + ".lock"):
+            current = read_json(live)
+            if _same_server(current, state):
+                assert current is not None
+                if current.get("failed"):
+                    message = current["failed"]  # the first waiter's words, for everyone
+                else:
+                    write_json(live, {**current, "failed": message, "failed_at": time.time()})
+    raise ServerError(message)
 
 
 def _signal_group(pgid: int, sig: int) -> bool:
@@ -437,7 +529,9 @@ def is_serving(
     before it counts as unhealthy: one slow answer from a busy 8-GPU server must not make
     a chunk job replace it under every other job.
     """
-    if not state or not pid_alive(state.get("pid")) or lost_workers(state):
+    if not state or state.get("failed") or not pid_alive(state.get("pid")):
+        return False
+    if lost_workers(state):
         return False
     live = state.get("spec", {})
     if live.get("fingerprint") != spec.fingerprint:
@@ -454,6 +548,46 @@ def is_serving(
     return False
 
 
+def _same_settings(state: dict, spec: ServerSpec) -> bool:
+    live = state.get("spec", {})
+    return (
+        live.get("fingerprint") == spec.fingerprint
+        and ServerSpec(**live).settings_digest == spec.settings_digest
+    )
+
+
+def starting(state: dict | None, spec: ServerSpec) -> bool:
+    """A server of this run with ``spec``'s settings, alive, that has not yet answered
+    /health and has not failed: it is loading its model, and is waited for, not replaced."""
+    if not state or state.get("healthy_at") or state.get("failed"):
+        return False
+    return pid_alive(state.get("pid")) and _same_settings(state, spec)
+
+
+def _of_this_owner(state: dict) -> bool:
+    """Started under the workflow running now (its owner, pid and start time)."""
+    from hsextract.budget import _start_time
+
+    try:
+        owner = owner_pid()
+    except ServerError:
+        return False  # no owner: the start path says so
+    return state.get("owner_pid") == owner and str(state.get("owner_start")) == str(
+        _start_time(owner)
+    )
+
+
+def _start_failed_here(state: dict | None, spec: ServerSpec) -> bool:
+    """A start of this run's server under the workflow running now that failed, or whose
+    process is gone without ever answering /health: it is not retried by every chunk job
+    (a new workflow run, another owner, starts afresh)."""
+    if not state or state.get("healthy_at") or not _same_settings(state, spec):
+        return False
+    if not state.get("failed") and pid_alive(state.get("pid")):
+        return False  # still starting
+    return _of_this_owner(state)
+
+
 def ensure(
     spec: ServerSpec,
     state_dir: Path,
@@ -461,6 +595,7 @@ def ensure(
     gate=None,
     probes: int = 1,
     interval_s: float = 0.0,
+    wait: bool = True,
 ) -> dict:
     """Live state of a healthy server for this run started with ``spec``'s settings.
 
@@ -469,31 +604,55 @@ def ensure(
     that concurrent chunk jobs start one server between them.  ``gate`` (a no-argument
     callable) runs before a start: for SGLang it re-checks that the GPUs are clean, since
     whatever killed the server may still hold them.
+
+    A server still starting (:func:`starting`: ``launch_server`` does not wait for it) is
+    waited for (:func:`wait_healthy`, outside the lock, so every chunk job waits at once),
+    until ``started_at + health_timeout_s``.  One that failed to start under this workflow
+    raises its recorded message at once.  ``wait=False`` returns as soon as a server is
+    started or found starting (``launch_server``).
     """
     from filelock import FileLock
 
     live = live_path(state_dir)
     live.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(live) + ".lock"):
-        state = read_json(live)
-        if is_serving(state, spec, probes=probes, interval_s=interval_s):
-            return state  # type: ignore[return-value]
-        if state:
-            why = _why_replaced(state, spec)
-            print(f"hsextract: replacing the server of {live.name}: {why}", file=sys.stderr)
-            stop(state)  # half-dead, unhealthy or stale: make sure nothing of it lingers
-        if gate is not None:
-            gate()
-        if spec.extra.get("port_auto"):
-            spec = replace(spec, port=free_port(spec.host, spec.extra.get("max_port", 65535)))
-            spec.argv = _with_port(spec.argv, spec.port)
-        state = start(spec)
-        write_json(live, state)
-        return state
+    while True:
+        with FileLock(str(live) + ".lock"):
+            state = read_json(live)
+            if starting(state, spec):
+                if not wait:
+                    return state  # type: ignore[return-value]
+            elif _start_failed_here(state, spec):
+                if state.get("failed"):  # type: ignore[union-attr]
+                    raise ServerError(state["failed"])  # type: ignore[index]
+                # Gone before anyone saw it healthy (a bad flag exits at once): the wait
+                # below says so and records it.
+            elif is_serving(state, spec, probes=probes, interval_s=interval_s):
+                return state  # type: ignore[return-value]
+            else:
+                if state:
+                    why = _why_replaced(state, spec)
+                    print(f"hsextract: replacing the server of {live.name}: {why}", file=sys.stderr)
+                    stop(state)  # half-dead, unhealthy or stale: make sure nothing lingers
+                if gate is not None:
+                    gate()
+                if spec.extra.get("port_auto"):
+                    port = free_port(spec.host, spec.extra.get("max_port", 65535))
+                    spec = replace(spec, port=port)
+                    spec.argv = _with_port(spec.argv, spec.port)
+                state = start(spec, wait=False)
+                write_json(live, state)
+                if not wait:
+                    return state
+        try:
+            return wait_healthy(state, live=live)  # type: ignore[arg-type]
+        except _Superseded:
+            continue  # replaced meanwhile (another job found it dead): look again
 
 
 def _why_replaced(state: dict, spec: ServerSpec) -> str:
     live = state.get("spec", {})
+    if state.get("failed"):
+        return "its start failed: " + str(state["failed"]).splitlines()[0]
     if not pid_alive(state.get("pid")):
         return f"its process {state.get('pid')} is gone"
     if lost := lost_workers(state):
@@ -516,18 +675,21 @@ def _with_port(argv: list[str], port: int) -> list[str]:
     return out
 
 
-def stop_live(state_dir: Path) -> bool:
+def stop_live(state_dir: Path, *, keep_failed: bool = False) -> bool:
     """Stop this host's live server of a run dir, if any; used by onsuccess/onerror.
 
     Its dump dir goes too when empty: it is the recorded one, which may differ from what
-    the current config would pick (a moved project relaunches from the record).
+    the current config would pick (a moved project relaunches from the record).  With
+    ``keep_failed`` (the workflow's end), a record of a start that failed stays, for
+    ``hsextract status`` to say why; the next workflow run replaces it.
     """
     live = live_path(state_dir)
     state = read_json(live)
     if not state:
         return False
     stop(state)
-    live.unlink(missing_ok=True)
+    if not (keep_failed and state.get("failed")):
+        live.unlink(missing_ok=True)
     dump = state.get("spec", {}).get("dump_dir")
     if dump:
         remove_dump_dir_if_empty(Path(dump))

@@ -106,7 +106,7 @@ def active_holders(run_dir: Path, *, exclude_pid: int | None = None) -> list[str
             pid = state.get("pid")
             if lhost != host:
                 found.append(f"a server on host {lhost} (pid {pid}; {entry.path})")
-            elif _pid_alive(pid):
+            elif _pid_alive(pid) and not state.get("failed"):  # a failed one was stopped
                 found.append(f"a live server (pid {pid})")
     return found
 

@@ -83,6 +83,7 @@ class ProgressFile:
             "tokens_total": None,
             "records_done": 0,
             "records_total": None,
+            # server (waiting for it to answer /health: it may still be loading) |
             # waiting (for a turn to send: client.sending_jobs) | sending | finishing
             "phase": "sending",
         }
@@ -171,6 +172,11 @@ class ServerStatus:
     started_at: float | None = None
     state_file: str | None = None
     other_hosts: list[str] = field(default_factory=list)
+    #: Alive and never healthy yet: loading its model (chunk jobs wait for it).
+    starting: bool = False
+    healthy_at: float | None = None
+    #: Its start failed (died or timed out before /health answered): why, with log lines.
+    failed: str | None = None
 
 
 @dataclass
@@ -403,11 +409,15 @@ def server_status(cfg: Config, rd: Path, *, timeout_s: float = 2.0) -> ServerSta
         started_at=state.get("started_at"),
         state_file=str(path),
         other_hosts=others,
+        healthy_at=state.get("healthy_at"),
+        failed=state.get("failed"),
     )
     out.alive = pid_alive(out.pid)
-    if out.alive and out.url:
+    if out.alive and out.url and not out.failed:
         key = cfg.server.api_key or os.environ.get(API_KEY_ENV)
         out.healthy = health(out.url, timeout=timeout_s, api_key=key)
+        # Not healthy yet and never was: loading (a chunk job records healthy_at first).
+        out.starting = not out.healthy and not out.healthy_at
     return out
 
 
@@ -504,8 +514,9 @@ def render(st: Status) -> str:
         lines.append(f"chunks    {st.chunks_done} of {st.chunks_total} done ({pct:.0f}%)")
     for f in st.in_flight:
         total = f"{f.tokens_total:,}" if f.tokens_total is not None else "?"
+        phase = "waiting for the server" if f.phase == "server" else f.phase
         lines.append(
-            f"          {f.chunk} in flight ({f.phase}): {f.tokens_done:,} of {total} tokens, "
+            f"          {f.chunk} in flight ({phase}): {f.tokens_done:,} of {total} tokens, "
             f"for {_duration(st.now - f.started_at)} (pid {f.pid})"
         )
     if st.tokens_total is not None:
@@ -528,6 +539,15 @@ def render(st: Status) -> str:
     srv = st.server
     if not srv.recorded:
         lines.append("server    not running (no live server recorded on this host)")
+    elif srv.failed:
+        msg = srv.failed.splitlines()
+        lines.append(f"server    failed: {msg[0]} (pid {srv.pid}, {srv.state_file})")
+        lines += [f"          {line}" for line in msg[1:][-10:]]
+    elif srv.starting:
+        up = f", loading for {_duration(st.now - srv.started_at)}" if srv.started_at else ""
+        lines.append(
+            f"server    starting: {srv.url} (pid {srv.pid}{up}; chunk jobs wait for /health)"
+        )
     elif not srv.alive:
         lines.append(f"server    gone: pid {srv.pid} is not running ({srv.state_file})")
     else:

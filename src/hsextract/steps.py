@@ -324,8 +324,12 @@ def _export_api_key(cfg: Config) -> None:
         os.environ["HSEXTRACT_API_KEY"] = cfg.server.api_key
 
 
-def ensure_server(cfg: Config | dict) -> dict:
-    """This host's live server for the config's run and settings, started if need be."""
+def ensure_server(cfg: Config | dict, *, wait: bool = True) -> dict:
+    """This host's live server for the config's run and settings, started if need be.
+
+    With ``wait`` (chunk jobs), once it is healthy, waiting for one still loading; without
+    (``launch_server``), as soon as it is started (``server.ensure``).
+    """
     from hsextract import server
 
     cfg = typed(cfg)
@@ -341,6 +345,7 @@ def ensure_server(cfg: Config | dict) -> dict:
         gate=gate,
         probes=cfg.server.health_probes,
         interval_s=cfg.server.probe_interval_s,
+        wait=wait,
     )
 
 
@@ -405,6 +410,11 @@ def check_sglang_command(cfg: Config, argv: list[str]) -> dict:
 def launch_server(sm: Any) -> None:
     """Record the launch spec; start the server only if some chunk needs extracting.
 
+    It does not wait for the server to load: the plan and the chunk jobs start meanwhile,
+    and each chunk job's ``ensure()`` waits for it to answer /health (a load that fails
+    is reported there, with the server log's last lines).  The GPU gate, the command check
+    and the dump dir run here, before it starts.
+
     A data change whose chunks are all current (records whose extra keys changed, say)
     re-plans without starting an 8-GPU server; a chunk job that needs one later starts it
     through ``ensure()``.  A live server of this run with other settings is replaced.
@@ -429,8 +439,14 @@ def launch_server(sm: Any) -> None:
         }
         log.info("cluster run: the head node starts no server; each node allocation does")
     elif todo:
-        state = ensure_server(cfg)
-        log.info("server healthy at %s (pid %s)", state["url"], state["pid"])
+        state = ensure_server(cfg, wait=False)
+        log.info(
+            "server %s at %s (pid %s)%s",
+            "healthy" if state.get("healthy_at") else "starting",
+            state["url"],
+            state["pid"],
+            "" if state.get("healthy_at") else ": chunk jobs wait for it to answer /health",
+        )
     else:
         state = {"started": False, "reason": "every chunk is current", "spec": asdict(spec)}
         log.info("every chunk is current: the server is not started")
