@@ -74,6 +74,8 @@ if [ ! -d /tmp/site/sglang ] || [ "$(cat /tmp/site/.hsextract-sglang-version 2>/
   rm -rf /tmp/site && xz -dc -T0 "$D/site.tar.xz" | tar -x -C /tmp
   cat "$D/site.version" > /tmp/site/.hsextract-sglang-version 2>/dev/null
 fi
+# pip --target keeps what an earlier call installed there (another release's kernel wheel).
+rm -rf /tmp/site2
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 "$D"/wheels/*.whl \
   2>&1 | grep -v "^WARNING" | tail -3
 if [ -f "$D/jitcache.tar.xz" ] && [ ! -d /tmp/jitcache ]; then tar -xJf "$D/jitcache.tar.xz" -C /tmp; fi
