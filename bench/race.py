@@ -579,7 +579,15 @@ def run_fault(work: Path, n_records: int, n_chunks: int, jobs: int, deadline: fl
     text = (fw / "logs" / "second.log").read_text(errors="replace")
     redone = sorted(set(re.findall(r"wildcards: chunk=(\d+)", text)))  # extract_chunk jobs
     out["redone"] = [f"chunk_{c}" for c in redone]
-    out["redone_only_unfinished"] = not (set(out["redone"]) & set(done))
+    # In flight at the kill, by Snakemake's own account: a chunk job it had started and not
+    # seen finish.  Its chunk file may already be in place (renamed, sidecar written) while
+    # the job still runs; Snakemake then marks the output incomplete and the rerun redoes it.
+    first = (fw / "logs" / "first.log").read_text(errors="replace")
+    started = dict(re.findall(r"jobid: (\d+)\n(?:.*\n){0,4}?\s*wildcards: chunk=(\d+)", first))
+    finished = set(re.findall(r"Finished jobid: (\d+) \(Rule: extract_chunk\)", first))
+    in_flight = sorted(f"chunk_{c}" for j, c in started.items() if j not in finished)
+    out["in_flight_at_kill"] = in_flight
+    out["redone_only_in_flight"] = set(out["redone"]) <= set(in_flight)
     for f in (fw / "logs").glob("*.log"):
         shutil.copy(f, out_logs / f.name)
     runs = list((fw / "results").glob("*/manifest.json"))
