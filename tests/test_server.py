@@ -372,7 +372,8 @@ def test_a_server_dying_while_it_starts_is_recorded_and_fails_every_waiter_at_on
         # starts nothing (no gate, no new process, one start in the log).
         with pytest.raises(ServerError) as again:
             server.ensure(spec, state_dir, gate=lambda: gates.append(1))
-        assert str(again.value) == message and gates == [1]
+        assert str(again.value).startswith(message + "\n") and gates == [1]
+        assert "hsextract server stop` clears the record" in str(again.value)
         assert server.read_json(server.live_path(state_dir))["pid"] == first["pid"]
         assert Path(spec.log_path).read_text().count("start: ") == 1
         # A fresh workflow (another owner) starts afresh.

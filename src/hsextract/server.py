@@ -623,7 +623,11 @@ def ensure(
                     return state  # type: ignore[return-value]
             elif _start_failed_here(state, spec):
                 if state.get("failed"):  # type: ignore[union-attr]
-                    raise ServerError(state["failed"])  # type: ignore[index]
+                    raise ServerError(
+                        f"{state['failed']}\n(this start's failure is recorded in {live}: a "  # type: ignore[index]
+                        "new `snakemake` run starts the server afresh; `hsextract server "
+                        "stop` clears the record)"
+                    )
                 # Gone before anyone saw it healthy (a bad flag exits at once): the wait
                 # below says so and records it.
             elif is_serving(state, spec, probes=probes, interval_s=interval_s):
