@@ -156,6 +156,16 @@ def engine_processes(root: Path) -> list[int]:
     ]
 
 
+def poll(predicate, what: str, timeout: float = 300):
+    """The first truthy value of ``predicate``, polled until a generous deadline: a test
+    waits on the event, never on the clock."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f}s waiting for {what}"
+        time.sleep(0.1)
+    return value
+
+
 def wait_until_gone(root: Path, timeout: float = 60) -> dict[int, str]:
     """Poll until nothing runs under ``root`` (a watchdog needs a moment to act); what is
     left at the deadline."""

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from fixtures_demo import (
     make_workdir,
+    poll,
     run_dir_of,
     snakemake_cmd,
     start_snakemake,
@@ -63,15 +64,6 @@ def test_a_finished_run_is_all_done_with_eta_zero(demo_copy):
     assert "server    not running" in text and "error     none" in text
 
 
-def _poll(predicate, what: str, timeout: float = 400):
-    """The first truthy value of ``predicate``, polled until a generous deadline."""
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f}s waiting for {what}"
-        time.sleep(0.1)
-    return value
-
-
 def test_a_run_in_progress_reports_counts_rate_eta_and_its_server(tmp_path):
     # One request at a time, and each chunk's third record held on a gate of its own
     # (its first pass waits): a status then sees that chunk in flight, two records done.
@@ -96,7 +88,7 @@ def test_a_run_in_progress_reports_counts_rate_eta_and_its_server(tmp_path):
             return next((c for c in chunks if not gates[c].exists()), None)
 
         while mid is None:
-            chunk = _poll(held, "a chunk held mid-run")
+            chunk = poll(held, "a chunk held mid-run", 400)
             if status_json(wd)["chunks_done"] > 0:
                 # Records done within the progress file's interval are written when it
                 # is up: poll for them (seconds), the chunk stays held meanwhile.
@@ -104,7 +96,7 @@ def test_a_run_in_progress_reports_counts_rate_eta_and_its_server(tmp_path):
                     st = status_json(wd)
                     return st if any(f["tokens_done"] for f in st["in_flight"]) else None
 
-                mid = _poll(progressed, f"{chunk}'s records done in the status", 60)
+                mid = poll(progressed, f"{chunk}'s records done in the status", 60)
                 text = hsx_status(wd).stdout
             gates[chunk].touch()  # the first chunk run has nothing done yet: go on
         for gate in gates.values():

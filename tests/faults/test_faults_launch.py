@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 from faultkit import FaultRun, fault_test
+from fixtures_demo import poll
 
 from hsextract.status import progress_path
 
@@ -24,14 +24,6 @@ def fresh_launch(run: FaultRun) -> None:
     for f in run.hidden.glob("chunk_*"):
         f.unlink()
     (run.run_dir / "state" / "server.json").unlink()
-
-
-def poll(predicate, what: str, timeout: float = 300):
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f}s waiting for {what}"
-        time.sleep(0.1)
-    return value
 
 
 def status(run: FaultRun) -> tuple[dict, str]:
