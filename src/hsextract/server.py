@@ -533,11 +533,9 @@ def is_serving(
         return False
     if lost_workers(state):
         return False
+    if not _same_settings(state, spec):
+        return False
     live = state.get("spec", {})
-    if live.get("fingerprint") != spec.fingerprint:
-        return False
-    if ServerSpec(**live).settings_digest != spec.settings_digest:
-        return False
     for attempt in range(max(1, probes)):
         if attempt:
             time.sleep(interval_s)
