@@ -7,7 +7,10 @@ from snakemake.utils import min_version
 min_version("9.0")
 
 
-configfile: "config.yaml"
+# No `configfile:` directive: Snakemake would merge it *under* every --configfile.  The
+# config is the --configfile files, or with none ./config.yaml (the embedded demo in the
+# project dir), then --config -- read in rules/common.smk as every hsextract command reads
+# it (hsextract.config.load_config), so a run is the same from any directory.
 
 
 report: "report/workflow.rst"
@@ -49,12 +52,25 @@ rule extract_all:
     input:
         hidden=expand(run_path("hidden/chunk_{chunk}.safetensors"), chunk=CHUNK_IDS),
         manifest=run_path("manifest.json"),
+        # What the exports and the chunk jobs read besides the chunks: a train.jsonl removed
+        # by a failed merge (Snakemake deletes a job's outputs before running it) is a missing
+        # input here, so the merge reruns once its input is fixed -- not "Nothing to be done"
+        # over a run the export then calls broken.
+        merged=[run_path("merged/train.jsonl"), run_path("merged/stats.json")],
+        index=run_path("chunks/index.json"),
         settings=settings_files(),
         # Plain paths, not the rule reference itself: a `rules.X.output` input makes Snakemake
         # hash this rule's whole input list once per input (rules.py, expand_input), which
         # made `snakemake -n` quadratic: 355 s vs 38 s bare at 51,200 chunks (bench/README).
         report=[str(f) for f in rules.report_figures.output],
     default_target: True
+
+
+# Snakemake 9 drops a Ctrl-C that lands while it prints a log line (the run then goes on
+# and exits 0); this makes it take effect (hsextract.interrupt.keep_ctrl_c).
+from hsextract.interrupt import keep_ctrl_c
+
+keep_ctrl_c()
 
 
 onstart:

@@ -71,6 +71,21 @@ QWEN3_8B = dict(
     eos_token_id=151645, use_cache=True, use_sliding_window=False, sliding_window=None,
     max_window_layers=36, initializer_range=0.02,
 )  # fmt: skip
+#: Llama-3.1-8B's shape (config.json of meta-llama/Llama-3.1-8B-Instruct), random weights:
+#: issue 34's target.
+LLAMA31_8B = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
+    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_act="silu",
+    rms_norm_eps=1e-5, rope_theta=500000.0,
+    rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=8192, rope_type="llama3"),
+    max_position_embeddings=131072, attention_bias=False, attention_dropout=0.0,
+    mlp_bias=False, pretraining_tp=1, tie_word_embeddings=False, torch_dtype="bfloat16",
+    bos_token_id=128000, eos_token_id=[128001, 128008, 128009], use_cache=True,
+    initializer_range=0.02,
+)  # fmt: skip
+MODELS = {"qwen3-8b": QWEN3_8B, "llama3.1-8b": LLAMA31_8B}
 #: What the H200 payload needs beyond the shipped config (sglang-h200 recipe): no FA3 in
 #: the slimmed kernel, no tokenizer (ids are sent), random weights.
 PAYLOAD_ARGS = ["--load-format", "dummy", "--attention-backend", "triton",
@@ -78,26 +93,51 @@ PAYLOAD_ARGS = ["--load-format", "dummy", "--attention-backend", "triton",
 PAYLOAD_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
 #: lognormal(mu, sigma): mean exp(mu + sigma^2/2) = 550, p99 exp(mu + 2.326 sigma) = 4000.
 MU, SIGMA, MIN_LEN, MAX_LEN = 5.677, 1.125, 16, 8192
-BYTES_PER_TOKEN = 2 * 4096 * 4  # bf16, 3 aux layers + the final state
 
 
-def lengths(n: int, seed: int) -> list[int]:
+#: ``--lengths bimodal`` (issue 34's mix): chat turns and long documents.  A record is
+#: long with probability BIMODAL_LONG; short ones lognormal(median 300, sigma 0.8), long
+#: ones lognormal(median 4,000, sigma 0.35); both clipped to [MIN_LEN, MAX_LEN].  Mean
+#: ~1,370 tokens: a 64-request window holds ~88k tokens, so a 47k-token chunk is ~35
+#: records (half a window) and a 141k-token one ~100.
+BIMODAL_LONG = 0.25
+BIMODAL = ((5.704, 0.8), (8.294, 0.35))  # (mu, sigma): exp(mu) = 300, 4,000
+
+
+def lengths(n: int, seed: int, mix: str = "sharegpt") -> list[int]:
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    raw = np.exp(rng.normal(MU, SIGMA, n))
+    if mix == "bimodal":
+        long = rng.random(n) < BIMODAL_LONG
+        (mu0, s0), (mu1, s1) = BIMODAL
+        raw = np.where(long, np.exp(rng.normal(mu1, s1, n)), np.exp(rng.normal(mu0, s0, n)))
+    else:
+        raw = np.exp(rng.normal(MU, SIGMA, n))
     return np.clip(raw, MIN_LEN, MAX_LEN).astype(int).tolist()
 
 
-def write_records(path: Path, n: int, seed: int) -> list[int]:
+def lengths_for_tokens(tokens: int, seed: int, mix: str) -> list[int]:
+    """The shortest seeded prefix of ``lengths`` holding at least ``tokens`` tokens."""
+    n = 1024
+    while True:
+        lens = lengths(n, seed, mix)
+        total, k = 0, 0
+        for k, x in enumerate(lens, 1):
+            total += x
+            if total >= tokens:
+                return lens[:k]
+        n *= 2
+
+
+def write_records(path: Path, lens: list[int], seed: int, vocab: int) -> list[int]:
     """Seeded records: random ids, a random prompt prefix masked out (loss_mask 0)."""
     import numpy as np
 
     rng = np.random.default_rng(seed + 1)
-    lens = lengths(n, seed)
     with open(path, "w") as f:
         for i, n_tok in enumerate(lens):
-            ids = rng.integers(2, QWEN3_8B["vocab_size"], n_tok).tolist()
+            ids = rng.integers(2, vocab, n_tok).tolist()
             cut = int(rng.integers(0, n_tok))
             rec = {
                 "id": f"r{i:06d}",
@@ -196,14 +236,17 @@ class Sampler:
 
 def server_log_figures(log: Path, since: float = 0.0) -> dict:
     """SGLang's own prefill batches: input throughput and queue length per batch."""
-    rates, queue, tokens = [], [], []
+    rates, queue, tokens, stamps = [], [], [], []
     stamp = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)")
     for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
         if "Prefill batch" not in line:
             continue
         m = stamp.search(line)
-        if since and m and time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) < since - 1:
+        at = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) if m else None
+        if since and at is not None and at < since - 1:
             continue
+        if at is not None:
+            stamps.append(at)
         r = re.search(r"input throughput \(token/s\): ([\d.]+)", line)
         q = re.search(r"#queue-req: (\d+)", line)
         t = re.search(r"#new-token: (\d+)", line)
@@ -219,6 +262,8 @@ def server_log_figures(log: Path, since: float = 0.0) -> dict:
         "tokens_per_batch_mean": round(statistics.mean(tokens)) if tokens else None,
         "batches_with_empty_queue": sum(1 for x in queue if x == 0),
         "batches_with_5plus_queued": sum(1 for x in queue if x >= 5),
+        # First to last prefill batch, by the log's 1-s stamps (+-1 s).
+        "prefill_span_s": round(max(stamps) - min(stamps)) if stamps else None,
     }
 
 
@@ -246,21 +291,45 @@ def wait_gpu_free(limit_s: float = 60.0) -> None:
 # --- the contenders ------------------------------------------------------------------------
 
 
-def hsx_config(work: Path, data: Path, n_chunks: int) -> Path:
-    """The shipped config for this shape, with this machine's paths and payload flags."""
+def aux_layer_list(spec: str | None, num_layers: int) -> list[int] | None:
+    """``--aux-layers``: None (the EAGLE-3 default), a count (spread evenly over
+    [2, L-3], the default's ends), or a comma list of layer indices."""
+    if not spec:
+        return None
+    if "," in spec:
+        return [int(x) for x in spec.split(",")]
+    k, lo, hi = int(spec), 2, num_layers - 3
+    if k == 1:
+        return [hi]
+    return sorted({round(lo + i * (hi - lo) / (k - 1)) for i in range(k)})
+
+
+def hsx_config(work: Path, data: Path, n_chunks: int | str, tag: str = "hsx",
+               aux_layers: list[int] | None = None) -> Path:  # fmt: skip
+    """The shipped config for this shape, with this machine's paths and payload flags.
+    Each ``tag`` (a contender variant) has its own config dir and output root: a run never
+    sees another variant's run dir (``stale`` would delete it, logs and all)."""
     import yaml
 
     cfg = yaml.safe_load((REPO / "configs" / "qwen3-8b-1xh200.yaml").read_text())
-    cfg.update(inputs=[str(data)], output_root=str(work / "results"), n_chunks=n_chunks)
+    results = work / ("results" if tag == "hsx" else f"results-{tag}")
+    cfg.update(inputs=[str(data)], output_root=str(results), n_chunks=n_chunks)
+    cfg["aux_layers"] = aux_layers
     cfg["model"].update(path=str(work / "model"), revision="race-dummy")
     cfg["sglang"].update(python=sys.executable, extra_args=PAYLOAD_ARGS, extra_env=PAYLOAD_ENV)
     # Contenders run one after another: after a server stops, this machine's GPU keeps
     # ~615 MiB in use with no process listed (seen in the first call), over the 200 MiB gate.
     cfg["gpu"].update(wait_s=60, max_used_mib=2000)
-    (work / "hsx").mkdir(parents=True, exist_ok=True)
-    path = work / "hsx" / "config.yaml"
+    (work / tag).mkdir(parents=True, exist_ok=True)
+    path = work / tag / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+def results_dir(cfg_path: Path) -> Path:
+    import yaml
+
+    return Path(yaml.safe_load(cfg_path.read_text())["output_root"])
 
 
 def dp2_config(work: Path, cfg_path: Path) -> Path:
@@ -296,10 +365,11 @@ def run_bare(work: Path, cfg_path: Path, records: list[dict], in_flight: int) ->
     import requests
 
     from hsextract import server
-    from hsextract.config import load_config
+    from hsextract.config import read_config
 
-    cfg = load_config(cfg_path)
-    tag = "bare" if cfg_path.parent.name == "hsx" else f"bare-{cfg_path.parent.name[4:]}"
+    cfg = read_config(cfg_path)
+    name = cfg_path.parent.name
+    tag = f"bare-{name[4:]}" if name.startswith("hsx-dp") else "bare"
     spec = server.build_spec(cfg, run_dir=work / tag, log_path=work / "logs" / f"{tag}.log")
     argv = list(spec.argv)
     i = argv.index("--forward-hooks")
@@ -331,7 +401,7 @@ def run_bare(work: Path, cfg_path: Path, records: list[dict], in_flight: int) ->
             with ThreadPoolExecutor(4) as pool:  # kernels compile on the first shapes
                 list(pool.map(gen, [{**r, "id": "warm" + r["id"]} for r in (warm[:2] + warm[-2:])]))
             warm_s = time.monotonic() - t
-            t = time.monotonic()
+            t, flood_at = time.monotonic(), time.time()
             with ThreadPoolExecutor(in_flight) as pool:
                 list(pool.map(gen, records))
             flood_s = time.monotonic() - t
@@ -344,8 +414,11 @@ def run_bare(work: Path, cfg_path: Path, records: list[dict], in_flight: int) ->
         "seconds": round(dt, 2), "tokens": tokens, "records": len(records),
         "tok_s": round(tokens / dt), "load_s": round(load_s, 1), "warmup_s": round(warm_s, 1),
         "tok_s_after_warmup": round(tokens / flood_s),
+        # The sending phase: the first record's request sent to the last response.
+        "sending_s": round(flood_s, 2), "sending_tok_s": round(tokens / flood_s),
         "bytes_per_token": 0, **smp.report(),
         "server": server_log_figures(work / "logs" / f"{tag}.log", since),
+        "server_sending": server_log_figures(work / "logs" / f"{tag}.log", flood_at),
     }  # fmt: skip
 
 
@@ -447,13 +520,12 @@ def run_hsextract(work: Path, cfg_path: Path, jobs: int, tokens: int, timeout_s:
             cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
         healthy: list[float] = []
-        watch = threading.Thread(target=_watch_server, args=(work / "results", proc, healthy))
+        results = results_dir(cfg_path)
+        watch = threading.Thread(target=_watch_server, args=(results, proc, healthy))
         watch.start()
         ledger: dict = {}
         stop_reclaim = threading.Event()
-        reclaimer = threading.Thread(
-            target=_reclaimer, args=(work / "results", stop_reclaim, ledger)
-        )
+        reclaimer = threading.Thread(target=_reclaimer, args=(results, stop_reclaim, ledger))
         if reclaim:
             reclaimer.start()
         try:
@@ -469,7 +541,7 @@ def run_hsextract(work: Path, cfg_path: Path, jobs: int, tokens: int, timeout_s:
         t_end = time.time()
         watch.join()
         if not healthy:  # the live file went before the watcher saw it healthy
-            healthy += _healthy_from_sidecars(work / "results")
+            healthy += _healthy_from_sidecars(results)
         stop_reclaim.set()
         if reclaim:
             reclaimer.join()
@@ -510,11 +582,86 @@ def run_hsextract(work: Path, cfg_path: Path, jobs: int, tokens: int, timeout_s:
                                       / 1e9, 2),
     )  # fmt: skip
     out["server"] = server_log_figures(run / "logs" / "server.log", healthy)
+    if sidecars:
+        import yaml
+
+        turns = yaml.safe_load(cfg_path.read_text())["client"]["sending_jobs"]
+        out.update(sending_figures(sidecars, jobs_n=jobs, n_turns=turns))
+        out["server_sending"] = server_log_figures(run / "logs" / "server.log",
+                                                   out["first_sent_at"])  # fmt: skip
     man = run / "manifest.json"
     out["manifest"] = man.exists()
     if man.exists():
         data = json.loads(man.read_text())
         out["manifest_totals"] = data["totals"]
+    return out
+
+
+def sending_figures(sidecars: list[dict], jobs_n: int, n_turns: int) -> dict:
+    """The sending phase from the chunks' sidecars, and where each job's time went.
+
+    Sending phase: the first request sent (the first turn taken) to the last response
+    (``last_response_at``), the bare server's flood window's like; ``to_drained``: to
+    the last response's rows written (``drained_at``; ``finished_at`` for older
+    sidecars), the client's work after the server's.  Turns: how many were held, as
+    shares of that phase (``sending`` windows [taken, released]); ``vacant_turn_share``
+    is the mean fraction of ``sending_jobs`` turns nobody held.  Per job (medians, s):
+    ``start`` process start to the chunk job's code running (interpreter, Snakemake's
+    preamble, imports: ``process_started_at``), ``ready`` from there to ready to send
+    (records, writer; the server wait excluded), ``send`` the turn held, ``drain`` its
+    last request sent to its last response written, ``finish`` fsync, sha256, check,
+    sidecar; ``spawn`` a finished job's sidecar to the next job's process start (exit,
+    Snakemake's bookkeeping and dispatch)."""
+    tokens = sum(s["tokens"] for s in sidecars)
+    takes = [s["sending"][0] for s in sidecars]
+    rels = [s["sending"][1] for s in sidecars]
+    drained = [s.get("drained_at") or s["finished_at"] for s in sidecars]
+    answered = [s.get("last_response_at") or d for s, d in zip(sidecars, drained, strict=True)]
+    first, last = min(takes), max(drained)
+    ev = sorted([(t, 1) for t in takes] + [(t, -1) for t in rels])
+    held, prev, share = 0, first, {}
+    for t, d in ev:
+        share[held] = share.get(held, 0.0) + max(0.0, t - prev)
+        held, prev = held + d, t
+    share[0] = share.get(0, 0.0) + max(0.0, last - prev)
+    span = max(last - first, 1e-9)
+    answer_span = max(max(answered) - first, 1e-9)
+    out = {
+        "first_sent_at": first,
+        "sending_s": round(answer_span, 2),
+        "sending_tok_s": round(tokens / answer_span),
+        "to_drained_s": round(span, 2),
+        "to_drained_tok_s": round(tokens / span),
+        "turns_held_share": {k: round(v / span, 3) for k, v in sorted(share.items())},
+    }
+    out["vacant_turn_share"] = round(
+        sum(max(0, n_turns - k) * v for k, v in share.items()) / (n_turns * span), 3
+    )
+
+    def med(xs: list[float]) -> float | None:
+        xs = [x for x in xs if x is not None]
+        return round(statistics.median(xs), 2) if xs else None
+
+    job: dict = {}
+    if all(s.get("process_started_at") for s in sidecars):
+        job["start"] = med([s["started_at"] - s["waited_for_server_s"] - s["process_started_at"]
+                            for s in sidecars])  # fmt: skip
+        starts = sorted(s["process_started_at"] for s in sidecars)[jobs_n:]
+        spawn = []
+        for f in sorted(s["finished_at"] for s in sidecars):
+            nxt = [p for p in starts if p > f]
+            if nxt:
+                spawn.append(min(nxt) - f)
+                starts.remove(min(nxt))
+        job["spawn"] = med(spawn)
+        job["spawn_max"] = round(max(spawn), 2) if spawn else None
+    job["ready"] = med([s["sending"][0] - s["waited_for_turn_s"] - s["started_at"]
+                        for s in sidecars])  # fmt: skip
+    job["waited_for_turn"] = med([s["waited_for_turn_s"] for s in sidecars])
+    job["send"] = med([s["sending"][1] - s["sending"][0] for s in sidecars])
+    job["drain"] = med([d - s["sending"][1] for s, d in zip(sidecars, drained, strict=True)])
+    job["finish"] = med([s["finished_at"] - d for s, d in zip(sidecars, drained, strict=True)])
+    out["job_s"] = job
     return out
 
 
@@ -876,13 +1023,74 @@ def crosscheck(hsx: dict, sf_dir: Path, n_files: int = 4) -> dict:
     return out
 
 
+def parse_tokens(text: str) -> int:
+    """``47000``, ``47k``, ``2.25M``."""
+    mult = {"k": 1e3, "m": 1e6}.get(text[-1:].lower(), 1)
+    return int(float(text[:-1] if mult != 1 else text) * mult)
+
+
+def chunk_plan(variant: str, args: argparse.Namespace, lens: list[int]) -> dict:
+    """How many chunks a hsextract variant gets: ``hsextract`` (``--chunks`` /
+    ``--chunk-tokens``), ``hsextract@47k`` (chunks of ~47k tokens) or ``hsextract@auto``
+    (``n_chunks: auto``: the workflow sizes it, ``hsextract.sizing``; where this tree's
+    config does not take ``auto`` yet, the race computes the same choice and passes it)."""
+    tokens = sum(lens)
+    spec = variant.split("@", 1)[1] if "@" in variant else None
+    if spec is None:
+        spec = args.chunks if args.chunk_tokens is None else args.chunk_tokens
+        if spec != "auto" and args.chunk_tokens is None:
+            return {"n_chunks": int(spec)}
+    if spec == "auto":
+        return {"n_chunks": "auto"}
+    n = max(1, round(tokens / parse_tokens(str(spec))))
+    return {"n_chunks": n, "chunk_tokens": parse_tokens(str(spec))}
+
+
+def resolve_auto(cfg_path: Path, lens: list[int]) -> dict:
+    """``n_chunks: auto`` as written: kept where the config takes it (the workflow then
+    chooses), else replaced by ``sizing.auto_chunks``'s choice.  Either way the choice is
+    reported (``describe``)."""
+    import yaml
+
+    from hsextract import sizing
+    from hsextract.config import load_config, read_config
+
+    raw = yaml.safe_load(cfg_path.read_text())
+    try:
+        load_config(cfg_path)
+        via = "workflow"
+    except Exception as exc:  # this tree's schema: an integer only
+        via = f"race (the config refused auto: {str(exc)[:120]})"
+    probe = dict(raw, n_chunks=1)
+    tmp = cfg_path.with_name("probe.yaml")
+    tmp.write_text(yaml.safe_dump(probe))
+    choice = sizing.auto_chunks(read_config(tmp), sum(lens), len(lens))
+    tmp.unlink()
+    if via != "workflow":
+        raw["n_chunks"] = choice.n_chunks
+        cfg_path.write_text(yaml.safe_dump(raw))
+    return {"auto": choice.describe(), "auto_n_chunks": choice.n_chunks, "auto_via": via}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="qwen3-8b",
+                    help="the target's shape (random weights)")  # fmt: skip
+    ap.add_argument("--aux-layers", default=None,
+                    help="aux layers: a count spread over [2, L-3], or a comma list "
+                         "(default: SGLang's EAGLE-3 three)")  # fmt: skip
+    ap.add_argument("--lengths", choices=["sharegpt", "bimodal"], default="sharegpt",
+                    help="record length mix")  # fmt: skip
     ap.add_argument("--records", type=int, default=4000)
-    ap.add_argument("--chunks", type=int, default=32)
+    ap.add_argument("--tokens", default=None,
+                    help="instead of --records: records up to this many tokens")  # fmt: skip
+    ap.add_argument("--chunks", default="32", help="n_chunks, or auto")
+    ap.add_argument("--chunk-tokens", default=None,
+                    help="n_chunks = tokens / this (47k); hsextract@47k: per variant")  # fmt: skip
     ap.add_argument("--jobs", type=int, default=8, help="snakemake -j")
     ap.add_argument("--in-flight", type=int, default=64, help="bare: requests in flight")
-    ap.add_argument("--contenders", default="bare,hsextract,specforge,specforge-gz")
+    ap.add_argument("--contenders", default="bare,hsextract,specforge,specforge-gz",
+                    help="comma list; hsextract@47k, hsextract@auto: chunk sizes")  # fmt: skip
     ap.add_argument(
         "--specforge",
         default=str(REPO / ".devcarry" / "specforge"),
@@ -897,6 +1105,8 @@ def main() -> None:
     ap.add_argument("--sf-gz-padded-tokens", type=float, default=3e5)
     ap.add_argument("--sf-timeout", type=float, default=200, help="per SpecForge run")
     ap.add_argument("--budget-s", type=float, default=540, help="the whole run's time limit")
+    ap.add_argument("--reserve-s", type=float, default=150,
+                    help="kept per contender still to run")  # fmt: skip
     ap.add_argument("--work", default="/tmp/hsextract-race")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dry-run", action="store_true", help="records, configs, plan; no GPU")
@@ -914,24 +1124,49 @@ def main() -> None:
     work = Path(args.work)
     (work / "model").mkdir(parents=True, exist_ok=True)
     (work / "logs").mkdir(exist_ok=True)
-    (work / "model" / "config.json").write_text(json.dumps(QWEN3_8B, indent=1))
+    shape = MODELS[args.model]
+    (work / "model" / "config.json").write_text(json.dumps(shape, indent=1))
+    aux = aux_layer_list(args.aux_layers, shape["num_hidden_layers"])
     data = work / "data.jsonl"
-    lens = write_records(data, args.records, args.seed)
+    if args.tokens:
+        lens = lengths_for_tokens(parse_tokens(args.tokens), args.seed, args.lengths)
+    else:
+        lens = lengths(args.records, args.seed, args.lengths)
+    write_records(data, lens, args.seed, shape["vocab_size"])
     tokens = sum(lens)
-    print(f"{len(lens)} records, {tokens:,} tokens: mean {statistics.mean(lens):.0f}, median "
+    print(f"{args.model}, aux layers {aux or 'default'}, {args.lengths} lengths: "
+          f"{len(lens)} records, {tokens:,} tokens: mean {statistics.mean(lens):.0f}, median "
           f"{statistics.median(lens):.0f}, p99 {sorted(lens)[int(0.99 * len(lens))]}, max "
           f"{max(lens)} ({time.monotonic() - t_begin:.0f} s)", flush=True)  # fmt: skip
-    cfg_path = hsx_config(work, data, args.chunks)
+    contenders = args.contenders.split(",")
+    variants: dict[str, Path] = {}
+    plans: dict[str, dict] = {}
+    for name in contenders:
+        if name != "hsextract" and not name.startswith("hsextract@"):
+            continue
+        tag = "hsx" if name == "hsextract" else "hsx-" + name.split("@", 1)[1].lower()
+        plan = chunk_plan(name, args, lens)
+        variants[name] = hsx_config(work, data, plan["n_chunks"], tag, aux)
+        if plan["n_chunks"] == "auto":
+            plan.update(resolve_auto(variants[name], lens))
+        plans[name] = plan
+        print(f"{name}: {json.dumps(plan)}", flush=True)
+    cfg_path = next(iter(variants.values()), None) or hsx_config(work, data, 32, "hsx", aux)
+    if "hsextract@auto" not in variants:  # what auto would choose, said either way
+        plans["auto (not run)"] = resolve_auto(
+            hsx_config(work, data, "auto", "hsx-plan", aux), lens
+        )
+        print(f"n_chunks auto (not run): {plans['auto (not run)']['auto']}", flush=True)
     # Matplotlib builds its font cache on a machine's first import (~2 s, then never again):
     # the fresh H200 paid it inside hsextract's window, in the report rule.  A user pays it
     # once per machine, not per run; it is paid here, before any window.
     subprocess.run([sys.executable, "-c", "import matplotlib.pyplot"], check=False)
-    contenders = args.contenders.split(",")
     results: dict = {"records": len(lens), "tokens": tokens, "argv": sys.argv,
-                     "contenders": {}}  # fmt: skip
+                     "model": args.model, "aux_layers": aux, "lengths": args.lengths,
+                     "plans": plans, "contenders": {}}  # fmt: skip
     # One device call holds ~9 minutes: contenders of one race may run in several calls on
-    # the same (warm) machine; the same --records and --seed give the same records, and
-    # earlier calls' figures are kept beside this one's.
+    # the same (warm) machine; the same records give the same figures, and earlier calls'
+    # figures are kept beside this one's.
     kept = work / "race.json"
     if kept.exists():
         old = json.loads(kept.read_text())
@@ -948,14 +1183,14 @@ def main() -> None:
 
     n_sf = specforge_subset(lens, 32, int(args.sf_padded_tokens))
     n_gz = specforge_subset(lens, 32, int(args.sf_gz_padded_tokens))
-    print(f"specforge gets {n_sf} records ({sum(lens[:n_sf]):,} tokens), with --compress "
-          f"{n_gz} ({sum(lens[:n_gz]):,})", flush=True)  # fmt: skip
+    if any(c.startswith("specforge") for c in contenders):
+        print(f"specforge gets {n_sf} records ({sum(lens[:n_sf]):,} tokens), with --compress "
+              f"{n_gz} ({sum(lens[:n_gz]):,})", flush=True)  # fmt: skip
     if args.dry_run:
         from hsextract import server
-        from hsextract.config import load_config
+        from hsextract.config import read_config
 
-        cfg = load_config(cfg_path)
-        cfg["sglang"]["version"] = "0.5.14"
+        cfg = read_config(cfg_path, {"sglang.version": "0.5.14"})
         spec = server.build_spec(cfg, run_dir=work, log_path=work / "logs" / "x.log")
         print(" ".join(spec.argv))
         return
@@ -979,26 +1214,32 @@ def main() -> None:
                     results["contenders"][name] = {"skipped": f"{left:.0f} s left"}
                     continue
                 r = run_fault(work, args.fault_records, args.fault_chunks, args.jobs, deadline)
-            elif name == "hsextract":
+            elif name in variants:
                 rest = contenders[contenders.index(name) + 1 :]
+                reserve = args.reserve_s * len(rest)
                 r = run_hsextract(
                     work,
-                    cfg_path,
+                    variants[name],
                     args.jobs,
                     tokens,
-                    max(60.0, left - 150 * len(rest)),
+                    max(60.0, left - reserve),
                     reclaim=args.reclaim,
                 )
+                r["plan"] = plans[name]
                 if r.get("manifest"):
                     if not args.reclaim:  # freed states fail verify, rightly
-                        r.update(verify_hsextract(Path(r["run_dir"]), deadline - 150 * len(rest)))
+                        r.update(verify_hsextract(Path(r["run_dir"]), deadline - reserve))
                     samples.update(sample_states(Path(r["run_dir"]), SAMPLE_IDS))  # kept whole
                 if r.get("run_dir"):  # the disk is the next contender's
-                    side = work / "logs" / "sidecars"
+                    run = Path(r["run_dir"])
+                    index = run / "chunks" / "index.json"
+                    if index.exists():  # what the split made (auto: the workflow's choice)
+                        r["n_chunks"] = len(json.loads(index.read_text()).get("chunks", []))
+                    side = work / "logs" / ("sidecars" + variants[name].parent.name[3:])
                     side.mkdir(exist_ok=True)
-                    for f in (Path(r["run_dir"]) / "hidden").glob("chunk_*.json"):
+                    for f in (run / "hidden").glob("chunk_*.json"):
                         shutil.copy(f, side / f.name)
-                    shutil.rmtree(Path(r["run_dir"]) / "hidden", ignore_errors=True)
+                    shutil.rmtree(run / "hidden", ignore_errors=True)
             else:
                 n, compress = sf_n[name]
                 limit = min(left - 20, args.sf_timeout)
@@ -1020,23 +1261,41 @@ def main() -> None:
         save()
         subprocess.run(["tar", "-cJf", str(out_dir / "race-logs.tar.xz"), "-C", str(work),
                         "logs", *[str(p.relative_to(work)) for p in work.glob(
-                            "results/*/logs")]], check=False)  # fmt: skip
-    c = results["contenders"]
-    bare = c.get("bare", {}).get("tok_s")
-    print("\ncontender      tok/s   /bare  B/token  shm GB  RAM GB  RSS GB  GPU%")
-    for name, r in c.items():
-        ts = r.get("tok_s")
-        ratio = f"{ts / bare:.3f}" if ts and bare else "-"
-        print(f"{name:13s} {ts or '-':>7} {ratio:>6} {r.get('bytes_per_token', '-'):>8} "
-              f"{r.get('peak_shm_gb', '-'):>7} {r.get('peak_ram_gb', '-'):>7} "
-              f"{r.get('peak_rss_gb', '-'):>7} {r.get('gpu_busy_pct', '-'):>5}")  # fmt: skip
-    h = c.get("hsextract", {}).get("tok_s")
-    s = c.get("specforge", {}).get("tok_s")
-    hb = f"{h / bare:.3f}" if h and bare else "n/a"
-    hs = f"{h / s:.3f}" if h and s else "n/a"
+                            "results*/*/logs")]], check=False)  # fmt: skip
+    print_table(results["contenders"], time.monotonic() - t_begin)
+
+
+def print_table(c: dict, elapsed: float) -> None:
+    """Whole window and sending phase, each against the bare server of the same run."""
+    bare = c.get("bare", {})
+    b_all, b_send = bare.get("tok_s"), bare.get("sending_tok_s")
     print(
-        f"race: hsextract/bare {hb}, hsextract/specforge {hs} ({time.monotonic() - t_begin:.0f} s)"
+        "\ncontender          chunks  tok/s  /bare  send tok/s  /bare  drained  dry(send)  "
+        "vacant  B/token  RAM GB  GPU%"
     )
+    for name, r in c.items():
+        ts, ss = r.get("tok_s"), r.get("sending_tok_s")
+        ra = f"{ts / b_all:.3f}" if ts and b_all else "-"
+        rs = f"{ss / b_send:.3f}" if ss and b_send else "-"
+        dr = r.get("to_drained_tok_s")
+        rd = f"{dr / b_send:.3f}" if dr and b_send else "-"
+        srv = r.get("server_sending") or {}
+        dry = (f"{srv.get('batches_with_empty_queue')}/{srv.get('prefill_batches')}"
+               if srv else "-")  # fmt: skip
+        print(f"{name:18s} {r.get('n_chunks', r.get('chunks', '-')):>6} {ts or '-':>6} {ra:>6} "
+              f"{ss or '-':>10} {rs:>6} {rd:>8} {dry:>10} {r.get('vacant_turn_share', '-'):>7} "
+              f"{r.get('bytes_per_token', '-'):>8} {r.get('peak_ram_gb', '-'):>7} "
+              f"{r.get('gpu_busy_pct', '-'):>5}")  # fmt: skip
+    parts = []
+    for name, r in c.items():
+        if name.startswith("hsextract") and name != "hsextract-fault":
+            ts, ss = r.get("tok_s"), r.get("sending_tok_s")
+            parts.append(f"{name}/bare sending {ss / b_send:.3f} whole {ts / b_all:.3f}"
+                         if ts and ss and b_all and b_send else f"{name}/bare n/a")  # fmt: skip
+    h, s = c.get("hsextract", {}).get("tok_s"), c.get("specforge", {}).get("tok_s")
+    if h and s:
+        parts.append(f"hsextract/specforge {h / s:.3f}")
+    print(f"race: {', '.join(parts) or 'no hsextract figure'} ({elapsed:.0f} s)")
 
 
 if __name__ == "__main__":

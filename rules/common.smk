@@ -4,15 +4,14 @@ import os
 import sys
 from pathlib import Path
 
-from snakemake.utils import validate
-
 from hsextract.budget import _start_time
 from hsextract.config import (
-    check_semantics,
-    coerce_to_schema,
+    chunk_count,
+    chunk_sizing,
     demo_data_settings_file,
     dump_dir,
     fingerprint,
+    load_config,
     run_dir,
     settings_digest,
     stage_settings,
@@ -33,9 +32,14 @@ from hsextract.server import (
 )
 from hsextract.stale import hold_run_lock, preview
 
-coerce_to_schema(config)  # --config aux_layers=[1,3,5] arrives as strings
-validate(config, schema="../schemas/config.schema.yaml", set_default=True)
-check_semantics(config)
+# The one way a config is read (hsextract.config.load_config, the CLI's too): the
+# --configfile files or ./config.yaml, then --config (dotted keys allowed; its values
+# arrive as strings and are given the schema's types), validated against
+# schemas/config.schema.yaml with its defaults filled.  Replaced in place: the scripts get
+# this dict as snakemake.config.
+_loaded = load_config(workflow.overwrite_configfiles, dict(workflow.config_settings.config))
+config.clear()
+config.update(_loaded)
 # The rules read the config typed (CFG.server.host); the dict stays Snakemake's, for the
 # scripts (steps.py types it again) and for what is hashed of it as written.
 CFG = typed(config)
@@ -44,7 +48,8 @@ RUN = run_dir(CFG)
 # What one server takes: a chunk job's GPUs (its group's allocation under SLURM asks this).
 SERVER_GPUS = server_gpu_count(CFG)
 FINGERPRINT = fingerprint(CFG)
-CHUNK_IDS = [f"{i:05d}" for i in range(CFG.n_chunks)]
+CHUNK_SIZING = chunk_sizing(CFG)  # n_chunks: auto (None for a number)
+CHUNK_IDS = [f"{i:05d}" for i in range(chunk_count(CFG))]
 MODEL_DIR = Path(CFG.model.path)
 
 # Servers started by this workflow are owned by this process: the watchdog stops them
@@ -184,6 +189,8 @@ def stale_deletion_done():
 
 if MAIN and workflow.is_main_process:
     show_stale_plan()
+    if CHUNK_SIZING is not None:
+        print(f"hsextract: {CHUNK_SIZING.describe()}", file=sys.stderr)
 
 
 def hold_run():

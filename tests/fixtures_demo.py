@@ -75,6 +75,23 @@ def make_workdir(path: Path, **overrides) -> Path:
     return path
 
 
+def own_config(demo_run: dict, root: Path, **extra) -> dict:
+    """A user's config (demo off) over the finished demo's shards and model, absolute
+    paths, its runs under ``root/out``: what a user's own data looks like to the workflow."""
+    wd = demo_run["workdir"]
+    cfg = {
+        "inputs": [str(wd / "results" / "demo" / "data" / "shard_*.jsonl")],
+        "output_root": str(root / "out"),
+        "max_seq_len": 300,
+        "seed": 0,
+        "engine": "reference",
+        "model": {"path": str(wd / "results" / "demo" / "model"), "dtype": "float32"},
+        "server": {"chunked_prefill_size": 64},
+    }
+    cfg.update(extra)
+    return cfg
+
+
 def run_dir_of(workdir: Path) -> Path:
     out = subprocess.run(
         [sys.executable, "-m", "hsextract.cli", "run-dir", "--configfile", "config.yaml"],

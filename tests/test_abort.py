@@ -13,6 +13,7 @@ import os
 import shutil
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ import requests
 from hsextract import server
 from hsextract.capture import ABANDONED_DIR, piece_name
 from hsextract.client import Client, model_geometry
-from hsextract.config import load_config
+from hsextract.config import load_config, typed
 
 LENGTH, PASS = 512, 64  # 64-token chunked prefill: eight passes per request
 DEADLINE_S = 120  # for each event a test waits on: generous on a loaded 2-core box
@@ -35,6 +36,7 @@ def held_engine(demo_run, tmp_path, monkeypatch):
     cfg = copy.deepcopy(load_config("config.yaml"))
     cfg["server"]["chunked_prefill_size"] = PASS
     cfg["dump"]["dir"] = str(tmp_path / "dump")
+    cfg = typed(cfg)
     gate, fault_log = tmp_path / "gate", tmp_path / "faults.jsonl"
     hold = {
         "log": str(fault_log),
@@ -78,7 +80,8 @@ def test_a_timed_out_request_is_aborted_and_leaves_no_piece(held_engine):
     # deadline for its first pass to run.  The retry must not time out, however slow the
     # machine: before it the client re-ensures the server (our `ensure`), which raises
     # the timeout to a generous one.
-    cfg["client"].update(request_timeout_s=5, retries=1, backoff_s=0.0, piece_timeout_s=60)
+    timing = dict(request_timeout_s=5.0, retries=1, backoff_s=0.0, piece_timeout_s=60.0)
+    cfg = replace(cfg, client=replace(cfg.client, **timing))
     calls = []
 
     def ensure() -> dict:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,3 +66,80 @@ def test_plan_reports_without_writing(demo_copy):
     assert "1 of 4 chunk(s) to extract, 3 current" in out
     assert "chunk_00002: not extracted yet" in out
     assert sorted(str(p) for p in wd.rglob("*")) == before
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hsextract.cli", *args],
+        cwd=cwd, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def _one_sentence(proc: subprocess.CompletedProcess, *named: str) -> str:
+    """A failure a user can act on: non-zero, one line on stderr naming the file, no
+    traceback."""
+    assert proc.returncode not in (0, None), proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hsextract: error: "), proc.stderr
+    for name in named:
+        assert name in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "kind", ["missing", "empty-dir", "not-json", "json-list", "json-not-a-manifest"]
+)
+def test_verify_on_what_is_not_a_manifest_says_so_in_one_sentence(tmp_path, kind):
+    target = {
+        "missing": tmp_path / "manifest.json",
+        "empty-dir": tmp_path / "not-a-run",
+        "not-json": tmp_path / "notes.txt",
+        "json-list": tmp_path / "list.json",
+        "json-not-a-manifest": tmp_path / "config.json",
+    }[kind]
+    if kind == "empty-dir":
+        target.mkdir()
+    elif kind == "not-json":
+        target.write_text("chunks: 4\n")
+    elif kind == "json-list":
+        target.write_text("[1, 2]\n")
+    elif kind == "json-not-a-manifest":
+        target.write_text('{"output_root": "results"}\n')
+    line = _one_sentence(_cli("verify", str(target), cwd=tmp_path), str(target))
+    assert "pass the manifest.json of a run" in line
+
+
+def test_verify_takes_a_run_dir_for_its_manifest(tmp_path):
+    """A run dir stands for its manifest.json: the same checks, not a refusal."""
+    (tmp_path / "manifest.json").write_text('{"chunks": []}\n')
+    proc = _cli("verify", str(tmp_path), cwd=tmp_path)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "index.json" in proc.stdout  # verify_manifest ran: the run has no chunk index
+
+
+CTRL_C_IN_A_COMMAND = """
+import os, signal, sys
+
+from hsextract import cli
+
+
+def pressed(args):  # Ctrl-C while the command runs
+    os.kill(os.getpid(), signal.SIGINT)
+    return 0
+
+
+cli._run_dir = pressed
+sys.exit(cli.main(["run-dir"]))
+"""
+
+
+def test_ctrl_c_in_a_command_is_one_line_and_exit_130(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", CTRL_C_IN_A_COMMAND],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip() == (
+        "hsextract: interrupted: hsextract run-dir not finished; rerun the same command to continue"
+    ), proc.stderr

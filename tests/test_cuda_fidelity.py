@@ -17,6 +17,7 @@ import yaml
 
 from hsextract import server
 from hsextract.client import extract_chunk
+from hsextract.config import typed
 from hsextract.demo import build_demo_data, build_demo_model
 from hsextract.records import merge_and_shuffle, split_chunks
 
@@ -63,6 +64,7 @@ def test_gpu_engine_output_equals_direct_forward(gpu_demo, tmp_path, dtype, tol)
     cfg["server"]["chunked_prefill_size"] = 64
     cfg["model"]["dtype"] = dtype
     cfg["dump"]["dir"] = str(tmp_path / "dump")
+    cfg = typed(cfg)
     spec = server.build_spec(cfg, run_dir=tmp_path, log_path=tmp_path / "server.log")
     state = server.start(spec, owner=os.getpid())
     outs = []

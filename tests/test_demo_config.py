@@ -36,7 +36,7 @@ def test_inputs_beside_the_demo_are_refused_saying_what_to_set(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert "inputs ['my/*.jsonl'] would be ignored: demo.enabled is true" in out
-    assert "demo={enabled: false}" in out and "model.path" in out
+    assert "--configfile" in out and "model.path" in out
     assert not (wd / "results").exists()  # refused before anything ran
 
 
@@ -64,10 +64,37 @@ def test_your_inputs_and_model_without_the_demo_plan_no_demo_job(tmp_path):
     model = wd / "mymodel"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"vocab_size": 512}))
-    proc = _dry(wd, 'inputs=["my/*.jsonl"]', "demo={enabled: false}", f"model={{path: {model}}}")
+    mine = {
+        "inputs": ["my/*.jsonl"],
+        "output_root": "results",
+        "n_chunks": 2,
+        "max_seq_len": 4096,
+        "seed": 0,
+        "engine": "reference",
+        "model": {"path": str(model), "dtype": "float32"},
+    }
+    (wd / "my.yaml").write_text(yaml.safe_dump(mine))
+    proc = subprocess.run(
+        snakemake_cmd(wd, "-n", "extract_all", "--configfile", str(wd / "my.yaml")),
+        capture_output=True, text=True,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = planned_jobs(proc.stdout)
     assert "demo_data" not in jobs and "demo_model" not in jobs and "merge_and_shuffle" in jobs
+
+
+def test_turning_the_demo_off_on_the_demos_config_is_refused(tmp_path):
+    """Issue 34: `--config 'demo={enabled: false}' ...` on the shipped config kept the demo's
+    max_seq_len: 512 and truncated 20 of 20 long records without a word."""
+    wd = make_workdir(tmp_path / "w")
+    (wd / "my").mkdir()
+    (wd / "my" / "a.jsonl").write_text('{"input_ids": [1, 2], "loss_mask": [0, 1]}\n')
+    proc = _dry(wd, 'inputs=["my/*.jsonl"]', "demo={enabled: false}", "model={path: m}")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "--config turns the demo off on config.yaml, the demo's config" in out
+    assert "pass it with --configfile" in out
+    assert not (wd / "results").exists()
 
 
 def test_the_demo_never_overwrites_a_real_model(tmp_path):

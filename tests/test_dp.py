@@ -21,7 +21,7 @@ from test_gpu import FakeNvml, clean
 
 from hsextract import dp, server
 from hsextract.client import Client, model_geometry
-from hsextract.config import launch_settings, load_config
+from hsextract.config import Config, launch_settings, load_config, typed
 from hsextract.errors import ConfigError
 from hsextract.gpu import GpuGateError, gate
 from hsextract.sglang import versions
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 QWEN = ROOT / "configs" / "qwen3-8b-8xh200.yaml"
 
 
-def _qwen(version: str, **overrides) -> dict:
+def _qwen(version: str, **overrides) -> Config:
     cfg = load_config(QWEN)
     cfg["sglang"]["version"] = version
     cfg["aux_layers"] = [2, 18, 33]  # hooks read them from config.json, absent here
@@ -42,7 +42,7 @@ def _qwen(version: str, **overrides) -> dict:
         for p in parents:
             node = node.setdefault(p, {})
         node[last] = value
-    return cfg
+    return typed(cfg)
 
 
 # -- the launch command ----------------------------------------------------------------
@@ -89,13 +89,13 @@ def test_server_gpus_follow_sglangs_rank_numbering():
     # data_parallel_controller.py: DP worker d, TP rank t -> base + (d*tp + t) * step.
     cfg = _qwen("0.5.14", **{"sglang.dp_size": 2, "sglang.tp_size": 4})
     assert dp.server_gpus(cfg, {}) == [str(i) for i in range(8)]
-    cfg["sglang"]["extra_args"] = ["--base-gpu-id", "1", "--gpu-id-step", "2"]
-    cfg["sglang"]["dp_size"], cfg["sglang"]["tp_size"] = 2, 1
+    steps = ["--base-gpu-id", "1", "--gpu-id-step", "2"]
+    cfg = _qwen("0.5.14", **{"sglang.dp_size": 2, "sglang.tp_size": 1, "sglang.extra_args": steps})
     assert dp.server_gpus(cfg, {}) == ["1", "3"]
     # Under CUDA_VISIBLE_DEVICES the ordinals index its list: one GPU named twice holds
     # two DP workers (with SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS).
-    cfg["sglang"]["extra_args"] = []
-    cfg["sglang"]["extra_env"] = {"CUDA_VISIBLE_DEVICES": "0,0"}
+    env = {"CUDA_VISIBLE_DEVICES": "0,0"}
+    cfg = _qwen("0.5.14", **{"sglang.dp_size": 2, "sglang.tp_size": 1, "sglang.extra_env": env})
     assert dp.server_gpus(cfg, {}) == ["0", "0"]
 
 
@@ -123,10 +123,10 @@ def test_the_gate_covers_every_gpu_the_server_takes():
 
 def test_in_flight_and_shm_budget_are_per_replica():
     cfg = _qwen("0.5.14")
-    assert dp.requests_in_flight(cfg) == cfg["client"]["requests_in_flight"] * 8
-    assert dp.shm_budget_bytes(cfg) == int(cfg["dump"]["shm_budget_gb"] * 2**30) * 8
-    cfg["sglang"]["dp_size"] = 1
-    assert dp.requests_in_flight(cfg) == cfg["client"]["requests_in_flight"]
+    assert dp.requests_in_flight(cfg) == cfg.client.requests_in_flight * 8
+    assert dp.shm_budget_bytes(cfg) == int(cfg.dump.shm_budget_gb * 2**30) * 8
+    one = _qwen("0.5.14", **{"sglang.dp_size": 1})
+    assert dp.requests_in_flight(one) == cfg.client.requests_in_flight
 
 
 def test_the_client_keeps_a_connection_per_request_in_flight():
@@ -154,6 +154,7 @@ def _engine(demo_run, tmp_path: Path, name: str, dp_size: int, faults: dict | No
     cfg["server"]["chunked_prefill_size"] = 64
     cfg["sglang"]["dp_size"] = dp_size
     cfg["dump"]["dir"] = str(tmp_path / f"dump-{name}")
+    cfg = typed(cfg)
     spec = server.build_spec(cfg, run_dir=tmp_path, log_path=tmp_path / f"{name}.log")
     saved = os.environ.get("HSEXTRACT_FAULTS")
     if faults:

@@ -322,22 +322,28 @@ def test_bf16_states_keep_their_dtype_and_prenorm_aux_is_left_out(exported, tmp_
     meta.update(aux_layers=json.dumps([*reader.aux_layers, n_layers]), dtype="bfloat16")
     recs = list(reader)
     prenorm = [torch.randn(len(r["input_ids"]), h).to(torch.bfloat16) for r in recs]
-    writer = ChunkWriter(
-        rd / "hidden" / "chunk_00000.safetensors",
-        [len(r["input_ids"]) for r in recs],
-        hidden_size=h,
-        n_aux=len(reader.aux_layers) + 1,
-        dtype=torch.bfloat16,
-        metadata=meta,
-        codec="none",
-    )
-    for j, (r, p) in enumerate(zip(recs, prenorm, strict=True)):
-        aux = torch.cat([r["aux_hidden_states"].to(torch.bfloat16), p], dim=1)
-        writer.put(j, r["input_ids"], r["loss_mask"], r["hidden_states"].to(torch.bfloat16), aux)
-    sha = writer.finish()
-    side = json.loads((rd / "hidden" / "chunk_00000.json").read_text())
-    side.update(sha256=sha, bytes=os.path.getsize(rd / "hidden" / "chunk_00000.safetensors"))
-    (rd / "hidden" / "chunk_00000.json").write_text(json.dumps(side))
+
+    def write(metadata: dict) -> None:
+        """The chunk file, and its sidecar's sha256 and size, as an extraction leaves them."""
+        writer = ChunkWriter(
+            rd / "hidden" / "chunk_00000.safetensors",
+            [len(r["input_ids"]) for r in recs],
+            hidden_size=h,
+            n_aux=len(reader.aux_layers) + 1,
+            dtype=torch.bfloat16,
+            metadata=metadata,
+            codec="none",
+        )
+        for j, (r, p) in enumerate(zip(recs, prenorm, strict=True)):
+            aux = torch.cat([r["aux_hidden_states"].to(torch.bfloat16), p], dim=1)
+            hid = r["hidden_states"].to(torch.bfloat16)
+            writer.put(j, r["input_ids"], r["loss_mask"], hid, aux)
+        sha = writer.finish()
+        side = json.loads((rd / "hidden" / "chunk_00000.json").read_text())
+        side.update(sha256=sha, bytes=os.path.getsize(rd / "hidden" / "chunk_00000.safetensors"))
+        (rd / "hidden" / "chunk_00000.json").write_text(json.dumps(side))
+
+    write(meta)
 
     out = tmp_path / "sf"
     marker = export_chunk(rd, "chunk_00000", out)
@@ -359,8 +365,7 @@ def test_bf16_states_keep_their_dtype_and_prenorm_aux_is_left_out(exported, tmp_
         assert raw["aux_hidden_state"].untyped_storage().nbytes() == k * h * 2 * len(r["input_ids"])
 
     # Re-extracted into other bytes (same records): every file of the chunk is rewritten.
-    side["sha256"] = "0" * 64
-    (rd / "hidden" / "chunk_00000.json").write_text(json.dumps(side))
+    write({**meta, "note": "extracted again"})
     assert export_chunk(rd, "chunk_00000", out)["written"] == len(recs)
     assert export_chunk(rd, "chunk_00000", out)["kept"] == len(recs)
 

@@ -18,7 +18,7 @@ import torch
 from hsextract import server
 from hsextract.chunks import ChunkReader
 from hsextract.client import extract_chunk
-from hsextract.config import load_config
+from hsextract.config import load_config, typed
 
 TOL = 1e-5
 
@@ -106,6 +106,7 @@ def test_fidelity_grid(
     cfg["server"]["batch_invariant"] = batch_invariant
     cfg["prenorm_final"] = prenorm
     cfg["dump"]["dir"] = str(tmp_path / "dump")
+    cfg = typed(cfg)
     spec = server.build_spec(cfg, run_dir=tmp_path, log_path=tmp_path / "server.log")
     state = server.start(spec, owner=__import__("os").getpid())
     try:
@@ -146,6 +147,7 @@ def test_chunk_jobs_take_turns_to_send(demo_run, reference, tmp_path, monkeypatc
     cfg = copy.deepcopy(load_config(workdir / "config.yaml"))
     cfg["client"]["sending_jobs"] = 1
     cfg["dump"]["dir"] = str(tmp_path / "dump")
+    cfg = typed(cfg)
     spec = server.build_spec(cfg, run_dir=tmp_path, log_path=tmp_path / "server.log")
     state = server.start(spec, owner=__import__("os").getpid())
     names = [Path(c["path"]).stem for c in demo_run["manifest"]["chunks"]][:2]

@@ -27,7 +27,7 @@ from safetensors import safe_open
 from torch import nn
 
 from hsextract.capture import get_writer
-from hsextract.config import load_config
+from hsextract.config import read_config
 from hsextract.errors import ConfigError
 from hsextract.sglang import compat, versions
 from hsextract.sglang import hooks as hooks_mod
@@ -499,8 +499,7 @@ def test_an_undeclared_release_matching_a_design_runs_hooks(tmp_path: Path) -> N
     assert rel.version == "0.5.24" and rel.hooks == "aux_capture"
     assert rel.args_classes == "_NS_PATH" and "0.5.23" in rel.notes[0]
     # The command built for it passes the flag check against its own source.
-    cfg = load_config(PROD)
-    cfg.update(capture="hooks", aux_layers=[2, 30, 58])
+    cfg = read_config(PROD, {"capture": "hooks", "aux_layers": [2, 30, 58]})
     argv, _ = build_launch(cfg, dump_dir="/dev/shm/hs", port=31000, rel=rel)
     assert "--enable-return-aux-hidden-states" in check_argv(
         argv, declared_flags(pkg, rel), "0.5.24"

@@ -338,6 +338,143 @@ def test_missing_inputs_are_named(tmp_path: Path) -> None:
         _merge([tmp_path / "absent.jsonl"], tmp_path / "o")
 
 
+@pytest.mark.parametrize("kind", ["broken symlink", "directory", "fifo"])
+def test_a_glob_matching_what_is_not_a_readable_file_stops_naming_it(
+    tmp_path: Path, kind: str
+) -> None:
+    """Issue 34, item 4: such a match was skipped without a word (a shard silently gone)."""
+    import os
+
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "a.jsonl").write_bytes(_rec("a", 2) + b"\n")
+    bad = d / "b.jsonl"
+    if kind == "broken symlink":
+        bad.symlink_to(d / "moved-away.jsonl")
+    elif kind == "directory":
+        bad.mkdir()
+    else:
+        os.mkfifo(bad)  # opening it would block: the merge must not try
+    glob = str(d / "*.jsonl")
+    with pytest.raises(InputError) as e:
+        _merge([glob], tmp_path / "o")
+    msg = str(e.value)
+    assert msg.startswith(f"input glob {glob!r} matches {str(bad)!r}, which is "), msg
+    assert "narrow the glob" in msg and "(config key: inputs)" in msg and "\n" not in msg
+    assert {"broken symlink": "moved-away.jsonl", "directory": "a directory",
+            "fifo": "a FIFO"}[kind] in msg  # fmt: skip
+    assert not (tmp_path / "o").exists()  # refused before anything is written
+    if kind == "broken symlink":  # the same named as a literal entry
+        with pytest.raises(InputError, match="which is a broken symlink"):
+            _merge([bad], tmp_path / "o")
+
+
+def _input_error(glob: str) -> str:
+    from hsextract.records import InputError, resolve_inputs
+
+    try:
+        resolve_inputs([glob])
+    except InputError as e:
+        return str(e)
+    return "no error"
+
+
+def _input_error_as_nobody(glob: str) -> str:
+    """:func:`_input_error` in a forked child that dropped root for nobody (65534)."""
+    import os
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            os.close(r)
+            os.setgid(65534)
+            os.setuid(65534)
+            os.write(w, _input_error(glob).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        out = f.read().decode()
+    os.waitpid(pid, 0)
+    return out
+
+
+def test_a_glob_matching_an_unreadable_file_stops_naming_it() -> None:
+    """A shard its user may not read (mode 000), checked as a user who is not root: root
+    reads it anyway, so under root (CI) the check runs in a child that drops to nobody."""
+    import os
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="hsextract-unreadable-", dir="/tmp"))
+    try:
+        os.chmod(d, 0o755)  # nobody must reach it: tmp_path's parents are root's alone
+        (d / "a.jsonl").write_bytes(_rec("a", 2) + b"\n")
+        (d / "b.jsonl").write_bytes(_rec("b", 2) + b"\n")
+        os.chmod(d / "a.jsonl", 0o644)
+        os.chmod(d / "b.jsonl", 0)
+        glob = str(d / "*.jsonl")
+        msg = _input_error_as_nobody(glob) if os.geteuid() == 0 else _input_error(glob)
+        assert msg.startswith(f"input glob {glob!r} matches {str(d / 'b.jsonl')!r}, which is ")
+        assert "not readable (Permission denied)" in msg and "(config key: inputs)" in msg
+    finally:
+        os.chmod(d / "b.jsonl", 0o644)
+        for f in d.iterdir():
+            f.unlink()
+        d.rmdir()
+
+
+@pytest.mark.parametrize(
+    ("failing", "target", "err", "workers"),
+    [
+        ("pwrite", "train.jsonl", "ENOSPC", 1),
+        ("pwrite", "train.jsonl", "ENOSPC", 2),  # raised in a pool worker
+        ("fsync", "train.jsonl", "EDQUOT", 1),
+        ("fsync", "stats.json", "ENOSPC", 1),  # after train.jsonl's bytes are all written
+    ],
+)
+def test_a_full_disk_in_the_merge_is_one_sentence_and_leaves_nothing(
+    tmp_path: Path, monkeypatch, failing: str, target: str, err: str, workers: int
+) -> None:
+    """Issue 34, item 6: ENOSPC/EDQUOT ended in a traceback.  Injected at the lowest level
+    the merge writes through (the syscalls' wrappers in ``os``), for one output file."""
+    import errno
+    import os
+
+    from hsextract.errors import HsextractError
+
+    code = getattr(errno, err)
+    out = tmp_path / "o"
+    p = tmp_path / "s.jsonl"
+    p.write_bytes(b"\n".join(_rec(None if k % 2 else f"r{k}", 3 + k % 7) for k in range(60)))
+
+    def full(real, arg: int):
+        """``real``, failing as a full disk would when its ``arg``-th argument (the fd it
+        writes to) is ``target``'s (temp) file."""
+
+        def call(*args):
+            if target in os.readlink(f"/proc/self/fd/{args[arg]}"):
+                raise OSError(code, os.strerror(code))
+            return real(*args)
+
+        return call
+
+    if failing == "pwrite":
+        monkeypatch.setattr(os, "pwrite", full(os.pwrite, 0))
+        monkeypatch.setattr(os, "copy_file_range", full(os.copy_file_range, 1))
+    else:
+        monkeypatch.setattr(os, "fsync", full(os.fsync, 0))
+    monkeypatch.setattr(records, "PARALLEL_MIN_BYTES", 0)
+    with pytest.raises(HsextractError) as e:
+        _merge([p], out, workers=workers)
+    msg = str(e.value)
+    what = "disk quota exceeded" if err == "EDQUOT" else "no space left on device"
+    assert msg.startswith(f"{what} while writing {out / target} ("), msg
+    assert " free on its filesystem" in msg and "free space there or set output_root" in msg
+    assert "\n" not in msg
+    assert sorted(x.name for x in out.iterdir()) == []  # no temp file, no output of it
+
+
 def test_output_independent_of_workers_and_ranges(tmp_path: Path, monkeypatch) -> None:
     """The pool path (fork workers, many small ranges) writes the same bytes as serial."""
     lines = []

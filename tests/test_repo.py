@@ -37,7 +37,7 @@ def test_production_config_plans_every_chunk_without_gpu(production_like, tmp_pa
         "-n", "extract_all",
         "--configfile", str(REPO / "configs" / "deepseek-v3-8xh200.yaml"),
         "--config", f"inputs={json.dumps([p['inputs']])}", f"output_root={p['out']}",
-        f"model={model}",
+        f"model={model}", "n_chunks=512",  # the config's auto would make these 3 records 1
     )  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -82,7 +82,7 @@ def test_qwen3_8b_config_launches_hooks_on_the_eagle3_layers(tmp_path):
     layers for 36 layers, 64 requests admitted = 16 in flight x 4 sending jobs."""
     import yaml
 
-    from hsextract.config import load_config
+    from hsextract.config import read_config
     from hsextract.sglang.launch import build_launch
 
     model = tmp_path / "Qwen3-8B"
@@ -94,12 +94,12 @@ def test_qwen3_8b_config_launches_hooks_on_the_eagle3_layers(tmp_path):
     cfg["model"]["path"] = str(model)
     cfg["sglang"]["version"] = "0.5.14"  # no SGLang env here to detect it from
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
-    cfg = load_config(tmp_path / "c.yaml")
+    cfg = read_config(tmp_path / "c.yaml")
     argv, env = build_launch(cfg, dump_dir=str(tmp_path / "dump"), port=30000)
     hooks = json.loads(argv[argv.index("--forward-hooks") + 1])
     aux = [h["config"]["layer"] for h in hooks if h["config"]["role"] == "aux"]
     assert aux == [2, 18, 33]
     assert argv[argv.index("--max-running-requests") + 1] == str(
-        cfg["client"]["requests_in_flight"] * cfg["client"]["sending_jobs"]
+        cfg.client.requests_in_flight * cfg.client.sending_jobs
     )
     assert "SGLANG_HS_DUMP_DIR" not in env  # hooks carry the dump dir, not the patch's env

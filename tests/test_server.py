@@ -257,14 +257,14 @@ def test_an_automatic_sglang_port_leaves_room_for_its_grpc_port(tmp_path):
     ("SGLANG_GRPC_PORT (68181) must be between 1 and 65535") for a port above 55535."""
     import yaml
 
-    from hsextract.config import load_config
+    from hsextract.config import read_config
 
     cfg = yaml.safe_load(
         (Path(__file__).parents[1] / "configs" / "deepseek-v3-8xh200.yaml").read_text()
     )
     cfg["sglang"]["version"] = "0.5.14"
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
-    cfg = load_config(tmp_path / "c.yaml")
+    cfg = read_config(tmp_path / "c.yaml")
     ports = {
         server.build_spec(cfg, run_dir=tmp_path, log_path=tmp_path / "l").port for _ in range(200)
     }

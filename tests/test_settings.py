@@ -13,9 +13,9 @@ from snakemake.utils import validate as sm_validate
 from hsextract import settings
 from hsextract.config import (
     SCHEMA_PATH,
-    as_raw,
     fingerprint,
     load_config,
+    read_config,
     run_dir,
     settings_digest,
     stage_settings,
@@ -51,12 +51,12 @@ def test_the_typed_config_holds_every_declared_key_as_validated():
     for path in [REPO / "config.yaml", *sorted((REPO / "configs").glob("*.yaml"))]:
         cfg = load_config(path)
         obj = typed(cfg)
-        assert typed(obj) is obj and as_raw(obj) is cfg
+        assert obj.raw is cfg
         for key in SETTINGS:
             want = _get(cfg, key)
             want = tuple(want) if isinstance(want, list) else want
             assert _attr(obj, key) == want, f"{path.name}: {key}"
-    bare = {"output_root": "r", "n_chunks": 1, "max_seq_len": 8, "seed": 0, "engine": "sglang"}
+    bare = {"output_root": "r", "max_seq_len": 8, "seed": 0, "engine": "sglang"}
     obj = typed({**bare, "model": {"path": "m", "dtype": "bfloat16"}})
     for s in SETTINGS.values():
         if not s.required:
@@ -111,7 +111,7 @@ def test_every_key_is_declared_and_every_declared_key_exists():
 
 
 def test_the_demo_fingerprint_is_unchanged():
-    assert fingerprint(load_config(REPO / "config.yaml")) == DEMO_FINGERPRINT
+    assert fingerprint(read_config(REPO / "config.yaml")) == DEMO_FINGERPRINT
 
 
 def cfg_default() -> dict:
@@ -138,8 +138,9 @@ def _get(cfg: dict, key: str):
 def names(cfg: dict) -> dict[str, str | None]:
     """What rules/common.smk derives from a config: the run dir and each stage's settings
     file name (None: the stage is not part of this config's workflow)."""
-    stages = stage_settings(cfg)
-    out: dict[str, str | None] = {"run_dir": str(run_dir(cfg)), "fingerprint": fingerprint(cfg)}
+    c = typed(cfg)
+    stages = stage_settings(c)
+    out: dict[str, str | None] = {"run_dir": str(run_dir(c)), "fingerprint": fingerprint(c)}
     for stage in STAGES:
         out[stage] = settings_digest(stages[stage]) if stage in stages else None
     out["specforge"] = specforge_settings_file(".", cfg["export"]["specforge"]["gzip"]).name

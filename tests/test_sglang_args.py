@@ -3,7 +3,6 @@ own declarations (``hsextract.sglang.flags`` reads them from the release's sourc
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 import yaml
 from fixtures_sglang import fake_release
 
-from hsextract.config import load_config
+from hsextract.config import Config, load_config, typed
 from hsextract.errors import ConfigError
 from hsextract.sglang import versions
 from hsextract.sglang.compat import AUX_CAPTURE_OPTIONS, COMMAND_OPTIONS
@@ -49,8 +48,9 @@ def flags14(pkg14: Path) -> dict[str, Flag]:
     return declared_flags(pkg14, versions.get("0.5.14"))
 
 
-def _prod(version: str = "0.5.23", **overrides: Any) -> dict:
-    """The production config, for a given release (explicit: no SGLang env here)."""
+def _prod(version: str = "0.5.23", **overrides: Any) -> Config:
+    """The production config, for a given release (explicit: no SGLang env here); the
+    overrides set unvalidated (typed, not load_config): some are meant to be refused."""
     cfg = load_config(PROD)
     cfg["sglang"]["version"] = version
     for k, v in overrides.items():
@@ -59,7 +59,7 @@ def _prod(version: str = "0.5.23", **overrides: Any) -> dict:
         for p in parents:
             node = node.setdefault(p, {})
         node[last] = v
-    return cfg
+    return typed(cfg)
 
 
 def test_facts_about_the_0523_flags(sglang_pkg: Path, flags23: dict[str, Flag]) -> None:
@@ -151,7 +151,7 @@ def test_context_headroom_is_what_sglang_needs(release: str, release_pkg: Path) 
     cfg = _prod(release)
     argv, _ = build_launch(cfg, dump_dir="/dev/shm/x", port=1)
     ctx = int(argv[argv.index("--context-length") + 1])
-    assert cfg["max_seq_len"] < ctx - a - b and not cfg["max_seq_len"] < (ctx - 1) - a - b
+    assert cfg.max_seq_len < ctx - a - b and not cfg.max_seq_len < (ctx - 1) - a - b
 
 
 @pytest.mark.parametrize("capture", ["patch", "hooks"])
@@ -349,8 +349,8 @@ def test_production_config_validates_and_prints(release: str, flags: dict[str, F
     raw = yaml.safe_load(PROD.read_text())
     cfg = _prod(release)  # the schema, with its defaults
     assert raw["engine"] == "sglang" and raw["max_seq_len"] == 8192 and not raw["demo"]["enabled"]
-    assert raw["sglang"]["tp_size"] == 8 and cfg["dump"]["shm_budget_gb"] > 0
-    argv, env = build_launch(copy.deepcopy(cfg), dump_dir="/dev/shm/hs", port=30000)
+    assert raw["sglang"]["tp_size"] == 8 and cfg.dump.shm_budget_gb > 0
+    argv, env = build_launch(cfg, dump_dir="/dev/shm/hs", port=30000)
     check_argv(argv, flags, release)
     assert argv[argv.index("--context-length") + 1] == str(8192 + CONTEXT_HEADROOM)
 

@@ -24,7 +24,7 @@ from fixtures_demo import (
 )
 
 from hsextract import status
-from hsextract.config import load_config
+from hsextract.config import read_config
 from hsextract.status import ProgressFile, progress_path
 
 pytestmark = pytest.mark.workflow
@@ -280,8 +280,30 @@ def test_status_of_a_copied_run_uses_the_sidecars_times(demo_copy, monkeypatch):
     for sc in (rd / "hidden").glob("chunk_*.json"):
         os.utime(sc, (0, 0))
     monkeypatch.chdir(demo_copy["workdir"])
-    st = status.collect(load_config("config.yaml"))
+    st = status.collect(read_config("config.yaml"))
     assert st.chunks_done == st.chunks_total and st.eta_s == 0.0
     metas = [json.loads(sc.read_text()) for sc in (rd / "hidden").glob("*.json")]
     busy = sum(m["finished_at"] - m["started_at"] for m in metas)  # -j1: no overlap
     assert st.overall_tok_s == pytest.approx(st.tokens_done / busy, rel=0.01)
+
+
+@pytest.mark.parametrize("kind", ["missing", "not-yaml", "a-list", "a-directory"])
+def test_status_on_a_missing_or_broken_configfile_is_one_sentence(tmp_path, kind):
+    """`hsextract status --configfile F` with F missing, not YAML, not a mapping of
+    settings or a directory: non-zero, one sentence on stderr naming F, no traceback."""
+    cfg = tmp_path / "my.yaml"
+    if kind == "not-yaml":
+        cfg.write_text("model: [path,\n")
+    elif kind == "a-list":
+        cfg.write_text("- model\n- inputs\n")
+    elif kind == "a-directory":
+        cfg.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "hsextract.cli", "status", "--configfile", str(cfg)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode != 0, proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hsextract: error: "), proc.stderr
+    assert "my.yaml" in lines[0], lines[0]

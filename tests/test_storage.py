@@ -20,7 +20,7 @@ from hypothesis.extra import numpy as hnp
 
 from hsextract import chunks, storage
 from hsextract.chunks import ChunkFileError, ChunkReader, ChunkWriter, check_chunk, sha256_file
-from hsextract.config import fingerprint, load_config
+from hsextract.config import fingerprint, load_config, typed
 
 META = {
     "aux_layers": "[1, 2]",
@@ -300,10 +300,10 @@ def test_codec_is_in_the_fingerprint_and_none_keeps_old_run_dirs(tmp_path):
     fps = {}
     for codec in ("none", "lossless", "fp8"):
         cfg["storage"] = {"codec": codec}
-        fps[codec] = fingerprint(cfg)
+        fps[codec] = fingerprint(typed(cfg))
     assert len(set(fps.values())) == 3
     del cfg["storage"]  # a config from before codecs existed: the v1 run dir
-    assert fingerprint(cfg) == fps["none"]
+    assert fingerprint(typed(cfg)) == fps["none"]
 
 
 def test_unknown_codec_in_a_file_is_refused(tmp_path):

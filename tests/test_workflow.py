@@ -7,7 +7,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +16,7 @@ from fixtures_demo import (
     kill_processes_under,
     make_workdir,
     planned_jobs,
+    poll,
     run_dir_of,
     run_snakemake,
     snakemake_cmd,
@@ -53,10 +54,10 @@ def test_dry_run_lists_every_stage_and_chunk_without_loading_a_model(tmp_path):
 
 
 def test_success_leaves_no_dump_dir_in_shm(demo_run, monkeypatch):
-    from hsextract.config import dump_dir, load_config
+    from hsextract.config import dump_dir, read_config
 
     monkeypatch.chdir(demo_run["workdir"])
-    ddir = dump_dir(load_config("config.yaml"))
+    ddir = dump_dir(read_config("config.yaml"))
     assert str(ddir).startswith("/dev/shm/hsextract-")
     assert not ddir.exists(), f"{ddir} left in /dev/shm (RAM) after a successful run"
 
@@ -121,25 +122,50 @@ def test_rerun_of_one_deleted_chunk_reruns_only_it(demo_copy):
 def test_sigint_mid_chunk_leaves_nothing_and_rerun_matches(demo_run, tmp_path):
     """Ctrl-C in the terminal (SIGINT to the whole process group) mid-chunk.  The other
     ways a workflow dies (SIGKILL of Snakemake alone or of its group, SIGTERM) are in
-    tests/faults/test_faults_resources.py."""
+    tests/faults/test_faults_resources.py.
+
+    The chunk is held mid-request (fault injection: the engine waits on a gate file), so
+    the run cannot finish before the signal lands: a demo chunk takes under a second, and
+    a signal sent "once a temporary file exists" raced the chunk's end and the next job's
+    start, where Snakemake 9 used to drop it (test_ctrl_c_while_snakemake_prints...)."""
     workdir = make_workdir(tmp_path / "w")
-    proc = start_snakemake(workdir, "-j1", "extract_all")
+    gate, fault_log = tmp_path / "gate", tmp_path / "faults.jsonl"
+    hold = {
+        "log": str(fault_log),
+        "extend": [{"rid": "chunk_", "nth": [1], "do": "wait", "gate": str(gate)}],
+    }
+
+    def held() -> list[dict]:
+        lines = fault_log.read_text().splitlines() if fault_log.exists() else []
+        return [json.loads(x) for x in lines]
+
+    proc = start_snakemake(workdir, "-j1", "extract_all", faults=hold)
     try:
         rd = run_dir_of(workdir)
-        deadline = time.monotonic() + 300
-        # Wait until a chunk job is extracting (its temporary chunk file exists).
-        while not (rd / "hidden").is_dir() or not any((rd / "hidden").glob(".chunk_*.tmp")):
-            assert proc.poll() is None, "workflow finished before it could be interrupted"
-            assert time.monotonic() < deadline, "no chunk job started extracting"
-            time.sleep(0.05)
+        poll(lambda: held() or proc.poll() is not None, "a chunk's request held mid-chunk")
+        assert proc.poll() is None, f"workflow ended before a chunk was held:\n{proc.stdout.read()}"
+        chunk = held()[0]["rid"].split("-")[0]  # rid: <chunk>-<record>
+        assert list((rd / "hidden").glob(f".{chunk}.safetensors.*.tmp")), "not mid-chunk"
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
-        proc.communicate(timeout=120)
-        assert proc.returncode != 0
+        # The signal is pending in every process of the group now; the held request may
+        # end (the chunk job waits for its requests in flight before it stops), and the
+        # job stops at its next step: its chunk cannot be finished any more.
+        gate.touch()
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode != 0, out[-4000:]
         left = wait_until_gone(workdir)  # the watchdog polls twice a second
         assert not left, f"left running after Ctrl-C: {left}"
     finally:
+        gate.touch()
         stop_snakemake(proc)
         kill_processes_under(workdir)
+    # One sentence from the interrupted job, no traceback (neither its own nor Snakemake's).
+    n = chunk.removeprefix("chunk_")
+    want = f"interrupted: chunk {n} not finished; rerun the same command to continue"
+    assert f"hsextract [extract_chunk]: {want}" in out, out[-4000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-6000:]
+    assert not (rd / "hidden" / f"{chunk}.safetensors").exists(), "a half chunk was kept"
+    assert not list((rd / "hidden").glob(".*.tmp")), "temporary files left"
     for f in (rd / "hidden").glob("chunk_*.safetensors"):
         sidecar = f.with_suffix(".json")
         assert sidecar.exists(), f"{f} looks finished but has no sidecar"
@@ -150,6 +176,60 @@ def test_sigint_mid_chunk_leaves_nothing_and_rerun_matches(demo_run, tmp_path):
     }
     assert shas == {c["path"]: c["sha256"] for c in demo_run["manifest"]["chunks"]}
     assert not wait_until_gone(workdir)
+
+
+_PRESS_CTRL_C_MID_WRITE = """
+import io, logging, os, signal, sys
+
+from snakemake.logging import ColorizingTextHandler
+
+if sys.argv[1] == "kept":
+    from hsextract.interrupt import keep_ctrl_c
+
+    keep_ctrl_c()
+
+
+class Terminal(io.StringIO):
+    def write(self, s):
+        os.kill(os.getpid(), signal.SIGINT)  # the key, pressed while Snakemake prints
+        return super().write(s)
+
+
+log = logging.getLogger("snakemake-like")
+log.addHandler(ColorizingTextHandler(stream=Terminal()))
+try:
+    log.warning("localrule extract_chunk:")
+except KeyboardInterrupt:
+    print("interrupted")
+else:
+    print("dropped")
+"""
+
+
+@pytest.mark.parametrize("mode", ["as-shipped", "kept"])
+def test_ctrl_c_while_snakemake_prints_is_not_dropped(mode):
+    """Snakemake 9's terminal log handler catches KeyboardInterrupt and drops it, so a
+    Ctrl-C that landed while the scheduler printed a job (between any two jobs) was lost:
+    the run went on and exited 0.  The workflow installs hsextract.interrupt.keep_ctrl_c
+    (Snakefile), which raises it again once the write returns.  "as-shipped" pins the
+    Snakemake behaviour the workaround exists for: when it fails, Snakemake has stopped
+    dropping the interrupt and keep_ctrl_c can go."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _PRESS_CTRL_C_MID_WRITE, mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == ("interrupted" if mode == "kept" else "dropped")
+
+
+def test_the_workflow_keeps_ctrl_c():
+    """keep_ctrl_c is installed where Snakemake parses the workflow (its main process)."""
+    from hsextract.interrupt import keep_ctrl_c
+
+    text = (Path(__file__).resolve().parents[1] / "Snakefile").read_text()
+    assert "keep_ctrl_c()" in text and keep_ctrl_c.__module__ == "hsextract.interrupt"
 
 
 def test_reader_dataset_over_manifest(demo_run):

@@ -14,7 +14,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +159,22 @@ class SharedByteBudget:
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
 
+    @contextlib.contextmanager
+    def unused(self) -> Iterator[bool]:
+        """Hold the ledger's lock; yield whether no live process holds a reservation.
+
+        Why: a chunk job reserves before it sends a request and releases only once its
+        pieces are read, so no live reservation means no live job needs any piece in the
+        dump dir; and while the lock is held no job can reserve (:meth:`acquire` takes the
+        same lock), so none starts a request whose pieces a cleanup would then remove.
+        """
+        with self._tlock:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                yield self._used() == 0
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
     def release(self, token: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.dir / token)
@@ -223,6 +239,32 @@ class SendingTurn:
                 self.released_at = time.time()
                 os.close(self.fd)
                 self.fd, self.index = -1, -1
+
+    def held_count(self) -> int:
+        """How many of the ``n`` turns live jobs hold now, this job's own included.
+
+        A probe takes a free turn for an instant (a shared lock, dropped at once): a job
+        waiting in :meth:`acquire` then tries the next turn or polls again.  Why: the
+        sending jobs share the server's window (``client.requests_in_flight`` x turns), so
+        a turn nobody holds -- no job was ready when it was handed on -- is window the
+        jobs that are sending may use (``client._Window``)."""
+        count = 0
+        for i in range(self.n):
+            path = self.dir / f"turn-{i}"
+            if i == self.index:
+                count += 1
+                continue
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue  # never taken
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                count += 1
+            finally:
+                os.close(fd)
+        return count
 
     @staticmethod
     def held(dump_dir: Path) -> bool:

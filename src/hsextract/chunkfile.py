@@ -13,6 +13,7 @@ import hashlib
 import json
 import mmap
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -46,8 +47,18 @@ class ChunkFileError(HsextractError):
     """A chunk file is not what the contract says."""
 
 
-def sha256_file(path: str | os.PathLike[str], bufsize: int = 16 << 20) -> str:
-    """Hashed straight from a read-only mapping of the file (no copy into a buffer)."""
+class ChunkDigestError(ChunkFileError):
+    """A chunk file's bytes are not the ones hashed when it was extracted."""
+
+
+def sha256_file(
+    path: str | os.PathLike[str], bufsize: int = 16 << 20, stop: threading.Event | None = None
+) -> str:
+    """Hashed straight from a read-only mapping of the file (no copy into a buffer).
+
+    ``stop`` ends a background hash early (its caller failed; the digest is moot then):
+    an empty string is returned.
+    """
     h = hashlib.sha256()
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
@@ -56,10 +67,101 @@ def sha256_file(path: str | os.PathLike[str], bufsize: int = 16 << 20) -> str:
                 view = memoryview(mm)
                 try:
                     for a in range(0, size, bufsize):
+                        if stop is not None and stop.is_set():
+                            return ""
                         h.update(view[a : a + bufsize])
                 finally:
                     view.release()
     return h.hexdigest()
+
+
+def redo_chunk(path: str | os.PathLike[str]) -> str:
+    """What to do about a damaged chunk file: never deleted for the user (it may be the
+    only copy of hours of GPU time, and the damage may be elsewhere: a bad disk)."""
+    return f"delete {path} and rerun `snakemake -j1 {path}`"
+
+
+def digest_mismatch(path: str | os.PathLike[str], expected: str, actual: str) -> str:
+    """The one sentence every reader raises for a chunk whose bytes changed on disk."""
+    return (
+        f"{path} has sha256 {actual[:12]}..., not the {expected[:12]}... recorded when it "
+        f"was extracted (its bytes changed on disk since): {redo_chunk(path)}"
+    )
+
+
+class ChunkHasher:
+    """The sha256 of a chunk file, taken on a thread while the caller reads the same file.
+
+    Why a thread and not a hash before the read: a chunk is tens of GB, and hashing it
+    first would read it twice.  hashlib releases the GIL on large buffers, so the hash
+    runs on another core beside the export's decoding and writing, which are slower: it
+    stays ahead, and the caller's reads of the same pages come from the page cache.  The
+    verdict (:meth:`check`) is taken before the caller commits anything it wrote.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], expected: str) -> None:
+        self.path, self.expected = Path(path), expected
+        self._stop = threading.Event()
+        self._digest = ""
+        self._error: OSError | None = None
+        self._thread = threading.Thread(target=self._run, name="chunk-sha256", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._digest = sha256_file(self.path, stop=self._stop)
+        except OSError as exc:
+            self._error = exc
+
+    def check(self) -> None:
+        """Wait for the hash; raise :class:`ChunkDigestError` unless it is the expected."""
+        self._thread.join()
+        if self._error is not None:
+            raise ChunkFileError(
+                f"{self.path} could not be read to check its sha256 ({self._error}); "
+                f"{redo_chunk(self.path)}"
+            )
+        if self._digest != self.expected:
+            raise ChunkDigestError(digest_mismatch(self.path, self.expected, self._digest))
+
+    def cancel(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def __enter__(self) -> ChunkHasher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()  # after check() a no-op; on an error, the hash stops at its next slice
+
+
+#: Chunk files whose bytes were hashed whole and matched, by identity (path, inode, size,
+#: mtime): a dataset's readers, and forked DataLoader workers, check each file once.
+_VERIFIED: set[tuple[str, int, int, int, str]] = set()
+
+
+def verify_chunk_file(path: str | os.PathLike[str], expected: str) -> None:
+    """Hash a whole chunk file once per process (cached while the file is unchanged) and
+    raise :class:`ChunkDigestError` naming it unless it is ``expected``.
+
+    For readers that read records in any order (a training Dataset), where a hash
+    alongside the reads is not possible: the hash also brings the file into the page cache
+    the reads then hit.
+    """
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise ChunkFileError(f"{path} is unreadable ({exc}); {redo_chunk(path)}") from exc
+    key = (str(Path(path).resolve()), st.st_ino, st.st_size, st.st_mtime_ns, expected)
+    if key in _VERIFIED:
+        return
+    try:
+        digest = sha256_file(path)
+    except OSError as exc:
+        raise ChunkFileError(f"{path} is unreadable ({exc}); {redo_chunk(path)}") from exc
+    if digest != expected:
+        raise ChunkDigestError(digest_mismatch(path, expected, digest))
+    _VERIFIED.add(key)
 
 
 class ChunkLayout:
@@ -181,6 +283,9 @@ def check_chunk(path: str | os.PathLike[str], expect_records: int | None = None)
         "tokens": t,
         "hidden_size": h,
         "aux_layers": r.stored_layers[:-1] if _prenorm(r) else r.stored_layers,
+        "stored_layers": r.stored_layers,
+        # The longest record, for ``hsextract verify``'s check of the run's max_seq_len.
+        "longest": int(np.diff(r.offsets).max()) if n else 0,
         "codec": r.codec,
         "raw_bytes": r.raw_bytes(),
         "stored_bytes": r.stored_bytes(),

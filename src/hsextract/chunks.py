@@ -35,6 +35,7 @@ from hsextract.chunkfile import (  # noqa: F401 - re-exported: the structural ha
     check_chunk,
     sha256_file,
     stored_bytes,
+    verify_chunk_file,
 )
 
 FORMAT_VERSION = "1"  # the uncompressed layout
@@ -740,13 +741,21 @@ class ChunkReader:
 
 
 class ManifestDataset(torch.utils.data.Dataset):
-    """A torch Dataset over every record of every chunk in a manifest (lazy, mmap-backed)."""
+    """A torch Dataset over every record of every chunk in a manifest (lazy, mmap-backed).
+
+    Each chunk file's bytes are checked against the manifest's sha256 when a record of it
+    is first read (:func:`~hsextract.chunkfile.verify_chunk_file`: once per file and
+    process), so a damaged chunk fails naming itself instead of training on bad states;
+    not at construction, which would read a multi-TB run before the first step.
+    """
 
     def __init__(self, manifest: str | os.PathLike[str]) -> None:
         self.manifest_path = Path(manifest)
         data = json.loads(self.manifest_path.read_text())
         root = self.manifest_path.parent
         self.readers = [ChunkReader(root / c["path"]) for c in data["chunks"]]
+        self.sha256: list[str] = [str(c["sha256"]) for c in data["chunks"]]
+        self._checked = [False] * len(self.readers)
         self.index = [(ci, j) for ci, r in enumerate(self.readers) for j in range(len(r))]
 
     def __len__(self) -> int:
@@ -754,6 +763,9 @@ class ManifestDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor | str]:
         ci, j = self.index[i]
+        if not self._checked[ci]:
+            verify_chunk_file(self.readers[ci].path, self.sha256[ci])
+            self._checked[ci] = True
         return self.readers[ci][j]
 
 

@@ -24,24 +24,30 @@ from typing import TYPE_CHECKING
 import yaml
 
 from hsextract.errors import HsextractError
+from hsextract.interrupt import INTERRUPTED_EXIT, interrupted_message
 
 if TYPE_CHECKING:
     from hsextract.config import Config
 
 
 def _load(args: argparse.Namespace) -> Config:
-    from hsextract.config import load_config, typed
+    from hsextract.config import read_config
 
     overrides = {}
     for item in args.config or []:
         key, _, value = item.partition("=")
         overrides[key] = yaml.safe_load(value)
-    return typed(load_config(args.configfile, overrides))
+    return read_config(args.configfile, overrides)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
+    # As Snakemake reads them (hsextract.config.load_config): the files given, else
+    # ./config.yaml; never one beneath the other.
     p.add_argument(
-        "--configfile", default="config.yaml", help="workflow config (default: %(default)s)"
+        "--configfile",
+        nargs="+",
+        metavar="F",
+        help="workflow config file(s), merged in order (default: ./config.yaml)",
     )
     p.add_argument("--config", nargs="*", metavar="KEY=VALUE", help="overrides, dotted keys")
 
@@ -122,19 +128,55 @@ def _inspect(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from hsextract.manifest import verify_manifest
 
-    problems = verify_manifest(Path(args.manifest))
+    problems = verify_manifest(manifest_path(Path(args.manifest)))
     for p in problems:
         print(p)
     print("ok: every chunk matches the manifest" if not problems else f"{len(problems)} problem(s)")
     return 1 if problems else 0
 
 
+def manifest_path(path: Path) -> Path:
+    """The manifest ``verify`` was pointed at, checked before any of it is trusted.
+
+    A run dir holding a ``manifest.json`` stands for it.  A path that is missing, a
+    directory that is not a run, a file that is not JSON or JSON that is no manifest ends
+    in one sentence naming it and what to pass instead: the checks below read the fields
+    of a manifest, and on anything else they fail with a traceback.
+    """
+    hint = "pass the manifest.json of a run (`hsextract run-dir` prints the run dir)"
+    if path.is_dir():
+        if not (path / "manifest.json").is_file():
+            raise HsextractError(
+                f"{path} is a directory without a manifest.json: not a finished run; {hint}, "
+                "or run `snakemake -j1 extract_all` to finish it"
+            )
+        path = path / "manifest.json"
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise HsextractError(f"{path} does not exist; {hint}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise HsextractError(f"cannot read {path} ({exc}); {hint}") from None
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise HsextractError(f"{path} is not JSON ({exc}), so not a manifest; {hint}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("chunks"), list):
+        raise HsextractError(
+            f"{path} is JSON but not an hsextract manifest (no list of chunks); {hint}"
+        )
+    return path
+
+
 def _plan(args: argparse.Namespace) -> int:
     """Which chunks the next run re-extracts, from the current split; touches nothing."""
-    from hsextract.config import fingerprint, run_dir
+    from hsextract.config import chunk_sizing, fingerprint, run_dir
     from hsextract.plan import changed_inputs, chunk_states
 
     cfg = _load(args)
+    sizing = chunk_sizing(cfg)
+    if sizing is not None:
+        print(sizing.describe())
     rd = run_dir(cfg)
     index = rd / "chunks" / "index.json"
     if not index.exists():
@@ -230,11 +272,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; its failures end in one sentence on stderr, never a traceback.
+
+    An :class:`HsextractError` carries the sentence.  A file the command could not read
+    (a config or state file missing, unreadable, or not YAML) is named by the error
+    itself; a YAML error is one here only because the config loader did not catch it, so
+    it says which file the command was given.  Ctrl-C prints what was left unfinished and
+    exits 130, as a shell reports a command SIGINT ended.  Anything else is a bug and keeps
+    its traceback.
+    """
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except HsextractError as exc:
         print(f"hsextract: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        what = f"hsextract {args.command}"
+        print(f"hsextract: {interrupted_message(what)}", file=sys.stderr)
+        return INTERRUPTED_EXIT
+    except OSError as exc:
+        where = f" {exc.filename}" if exc.filename else ""
+        print(f"hsextract: error: cannot read{where}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    except yaml.YAMLError as exc:
+        given = ", ".join(getattr(args, "configfile", None) or ["./config.yaml"])
+        print(f"hsextract: error: config file {given} is not valid YAML: {exc}", file=sys.stderr)
         return 1
 
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,7 +39,7 @@ from hsextract.errors import HsextractError
 from hsextract.stats import LayerStats, layer_names
 
 if TYPE_CHECKING:
-    from hsextract.config import AnyConfig, Config
+    from hsextract.config import Config
     from hsextract.status import ProgressFile
 
 log = logging.getLogger("hsextract")
@@ -77,11 +77,10 @@ class Geometry:
         )
 
 
-def model_geometry(cfg: AnyConfig) -> Geometry:
-    from hsextract.config import captured_layers, read_model_config, typed
+def model_geometry(cfg: Config) -> Geometry:
+    from hsextract.config import captured_layers, read_model_config
     from hsextract.engine import DTYPES
 
-    cfg = typed(cfg)
     try:
         mcfg = read_model_config(cfg)
     except (OSError, ValueError) as exc:
@@ -384,12 +383,10 @@ def _all_finite(t: torch.Tensor) -> bool:
 class Client:
     """One chunk's worth of requests against a server described by its live state."""
 
-    def __init__(self, cfg: AnyConfig, geo: Geometry, ensure: Callable[[], dict]) -> None:
+    def __init__(self, cfg: Config, geo: Geometry, ensure: Callable[[], dict]) -> None:
         import requests
 
-        from hsextract.config import typed
-
-        self.cfg = cfg = typed(cfg)
+        self.cfg = cfg
         self.geo = geo
         self.ensure = ensure
         t = time.monotonic()
@@ -419,6 +416,8 @@ class Client:
         self.stop = threading.Event()
         #: rids given up on (aborted, tombstoned, swept).
         self.abandoned: list[str] = []
+        #: Wall clock of the latest response (the server done with a request), or None.
+        self.last_response_at: float | None = None
 
     def _post(self, rid: str, ids: list[int]) -> dict:
         import requests
@@ -468,6 +467,7 @@ class Client:
             rid_dir = self.dump_dir / rid
             try:
                 self._post(rid, ids)
+                self.last_response_at = max(self.last_response_at or 0.0, time.time())
                 pieces = read_pieces(rid_dir, len(ids), self.piece_timeout)
                 return assemble(pieces, ids, self.geo, f"{where} (rid {rid})")
             except TransientError as exc:
@@ -541,7 +541,7 @@ class Client:
 
 
 def extract_chunk(
-    cfg: AnyConfig,
+    cfg: Config,
     *,
     chunk_path: Path,
     index_path: Path | None,
@@ -556,13 +556,12 @@ def extract_chunk(
     While it runs, ``hidden/.chunk_<i>.progress.json`` says how far it got (for
     ``hsextract status``); it is removed when the chunk ends, whichever way.
     """
-    from hsextract.config import typed
     from hsextract.status import ProgressFile
 
     tracker = ProgressFile(Path(out_path))
     try:
         return _extract_chunk(
-            typed(cfg),
+            cfg,
             chunk_path=chunk_path,
             index_path=index_path,
             merged_path=merged_path,
@@ -673,6 +672,9 @@ def _extract_chunk(
     # A turn to send (client.sending_jobs per dump dir), held until the last record is
     # sent: this job's writes, fsync and sha256 then overlap a waiting job's requests.
     turn = SendingTurn(client.dump_dir, cfg.client.sending_jobs)
+    # The server's window (requests_in_flight per turn) is shared by the jobs holding a
+    # turn: a turn no job holds -- none was ready when it was handed on -- is theirs.
+    window = _Window(turn, requests_in_flight(cfg))
     started = itertools.count(1)
     first_error: list[BaseException] = []
     chunk_stats = LayerStats(layer_names(geo.aux_layers, geo.num_layers))
@@ -682,17 +684,23 @@ def _extract_chunk(
             return  # the chunk has failed already: start nothing new
         rec = records[j]
         try:
-            token = shm.acquire(need(rec))
-            if next(started) == len(records):
-                turn.release()  # the last record goes out now: a waiting job may send
-            try:  # the budget is held until the pieces' bytes are freed (dump closed)
-                with client.extract_dump(f"{name}-{j:06d}", rec.id, rec.input_ids) as dump:
-                    mask = torch.tensor(rec.loss_mask, dtype=torch.uint8)
-                    writer.put_files(j, dump.ids, mask, dump.hidden, dump.aux, dump.dtype)
-                    if dump.stats is not None:
-                        chunk_stats.merge(dump.stats)
+            window.acquire()
+            try:
+                if client.stop.is_set():
+                    return  # failed while this one waited for room in the window
+                token = shm.acquire(need(rec))
+                if next(started) == len(records):
+                    turn.release()  # the last record goes out now: a waiting job may send
+                try:  # the budget is held until the pieces' bytes are freed (dump closed)
+                    with client.extract_dump(f"{name}-{j:06d}", rec.id, rec.input_ids) as dump:
+                        mask = torch.tensor(rec.loss_mask, dtype=torch.uint8)
+                        writer.put_files(j, dump.ids, mask, dump.hidden, dump.aux, dump.dtype)
+                        if dump.stats is not None:
+                            chunk_stats.merge(dump.stats)
+                finally:
+                    shm.release(token)
             finally:
-                shm.release(token)
+                window.release()
         except BaseException as exc:
             first_error.append(exc)  # list.append is atomic
             client.stop.set()  # other threads finish their request, retry nothing
@@ -700,7 +708,7 @@ def _extract_chunk(
         bar.update(len(rec.input_ids))
         tracker.add(len(rec.input_ids))
 
-    pool = ThreadPoolExecutor(max_workers=requests_in_flight(cfg))  # per DP replica
+    pool = ThreadPoolExecutor(max_workers=window.most)  # the window gates them
     try:
         tracker.set_phase("waiting")
         waited = turn.acquire()
@@ -709,6 +717,7 @@ def _extract_chunk(
             log.info("%s: waited %.1f s for a turn to send (client.sending_jobs)", name, waited)
         futures = [pool.submit(one, j) for j in range(len(records))]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        drained_at = time.time()  # the last response is in (and its rows written)
         turn.release()  # an empty chunk, or one that failed
         if first_error:
             for g in futures:
@@ -766,13 +775,74 @@ def _extract_chunk(
         "shm_peak_bytes": shm.peak,
         # Wall clock [took its turn to send, sent its last record].
         "sending": [round(turn.taken_at or 0.0, 3), round(turn.released_at or 0.0, 3)],
+        # Wall clock: its last response came, then was in and written (fsync, sha256 next).
+        "last_response_at": round(client.last_response_at or drained_at, 3),
+        "drained_at": round(drained_at, 3),
+        # Its requests in flight: its own share, and the most it had (vacant turns' share).
+        "window": [window.base, window.peak],
         "waited_for_turn_s": round(waited, 3),
         "waited_for_server_s": round(client.waited_for_server, 3),
+        # Wall clock: this job's process began (its start cost: interpreter, imports).
+        "process_started_at": _process_started_at(),
     }
     from hsextract.server import write_json
 
     write_json(Path(sidecar_path), sidecar)
     return sidecar
+
+
+class _Window:
+    """How many requests a sending job keeps in flight: its own share, ``base``
+    (``client.requests_in_flight`` x dp), plus the share of every turn no job holds.
+
+    Why (issue 34): the turns only keep the server fed while a job is ready to take each
+    one as it is handed on.  A chunk job spends seconds not sending (its process start,
+    imports and records before it is ready; its last requests, fsync and sha256 after);
+    with small chunks those add up to more than the others' sending, turns stay free, and
+    SGLang's queue runs dry (47k-token chunks on the H200: 42 % of the turns' time vacant,
+    0.94 of the bare server).  So the jobs holding a turn send for the vacant ones too:
+    ``base x n / held`` each, at most ``base x n`` -- the server's window stays full while
+    any job sends, and shrinks back as soon as a waiting job takes a turn (requests already
+    sent finish; no new one goes out over the limit).  Occupancy is probed at most every
+    ``probe_s`` (``SendingTurn.held_count``)."""
+
+    def __init__(self, turn: Any, base: int, *, probe_s: float = 0.05) -> None:
+        self.turn, self.base, self.probe_s = turn, base, probe_s
+        self.most = base * turn.n
+        self.active = self.peak = 0
+        self._limit, self._at = base, -math.inf
+        self._cv = threading.Condition()
+
+    def limit(self) -> int:
+        now = time.monotonic()
+        if now - self._at >= self.probe_s:
+            held = max(1, self.turn.held_count())
+            self._limit, self._at = min(self.most, -(-self.base * self.turn.n // held)), now
+        return self._limit
+
+    def acquire(self) -> None:
+        with self._cv:
+            while self.active >= self.limit():
+                self._cv.wait(self.probe_s)
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+
+    def release(self) -> None:
+        with self._cv:
+            self.active -= 1
+            self._cv.notify()
+
+
+def _process_started_at() -> float | None:
+    """When this process began, wall clock (10 ms; /proc), or None where unknown."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return round(time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK")), 3)
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _server_record(state: dict) -> dict:

@@ -7,9 +7,9 @@ demo model exists.  It covers everything that changes the numbers written.
 The code reads the config typed (:func:`typed`: ``cfg.server.host``, the dataclasses
 generated from hsextract.settings into hsextract.config_types); the raw dict stays where
 the config enters (Snakemake's ``config``, :func:`load_config`, the validation here) and
-where a digest is taken of it (:func:`fingerprint_payload`, :func:`launch_settings`):
-those hash the dict as written, so a run made before the typed config stays current.
-Every function here takes either.
+where a digest is taken of it (``Config.raw``: :func:`fingerprint_payload`,
+:func:`launch_settings`): those hash the dict as written, so a run made before the typed
+config stays current.  Everything past the entry takes a :class:`Config`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -31,8 +32,9 @@ from hsextract.convention import CAPTURE_CONVENTION, default_aux_layers, prenorm
 from hsextract.errors import ConfigError
 from hsextract.settings import GROUPS, SETTINGS, class_name
 
-#: A config as the workflow hands it over (a validated dict) or as the code reads it.
-AnyConfig = Config | dict
+if TYPE_CHECKING:
+    from hsextract.sizing import ChunkSizing
+
 
 #: Bump when the capture convention or file layout changes what a run writes.
 FORMAT_VERSION = "1"
@@ -42,30 +44,151 @@ RUN_MARKER = ".hsextract-run"
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schemas" / "config.schema.yaml"
 
 
-def load_config(path: str | os.PathLike[str], overrides: dict[str, Any] | None = None) -> dict:
-    """Read a YAML config, apply dotted overrides, validate against the schema."""
-    with open(path) as f:
-        cfg = yaml.safe_load(f) or {}
-    for key, value in (overrides or {}).items():
-        node = cfg
-        parts = key.split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = value
+#: The config a command reads when it is given no ``--configfile``: the working directory's
+#: ``config.yaml`` (the project's own is the embedded demo).
+DEFAULT_CONFIGFILE = "config.yaml"
+
+
+def load_config(
+    configfiles: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> dict:
+    """The config every command reads -- the workflow (rules/common.smk) and each
+    ``hsextract`` command alike, from whichever directory it is run.
+
+    The ``--configfile`` files, merged in order (a later file's mappings merged into the
+    earlier's, other values replaced), or with none the working directory's config.yaml;
+    then the ``--config`` overrides (dotted keys: ``server.port=30000``); then validated.
+    Never a file beneath another: the demo's config.yaml used to be merged under every
+    ``--configfile`` when the working directory held one, so a user's run inherited the
+    demo's ``model.revision`` and ``max_reject_fraction`` there and not elsewhere (another
+    fingerprint), and ``--config 'demo={enabled: false}'`` kept its ``max_seq_len: 512``.
+    """
+    files = config_files(configfiles)
+    cfg: dict = {}
+    for f in files:
+        merge_into(cfg, read_config_file(f))
+    extra = coerce_to_schema(nest(overrides or {}))  # --config's values are strings
+    refuse_demo_leak(cfg, extra, files)
+    merge_into(cfg, extra)
     validate(cfg)
     return cfg
 
 
-def typed(cfg: AnyConfig) -> Config:
+def read_config(
+    configfiles: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """:func:`load_config`, typed: what a command hands the library (the rules type
+    Snakemake's dict once, in rules/common.smk and steps.py)."""
+    return typed(load_config(configfiles, overrides))
+
+
+def config_files(
+    configfiles: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None,
+) -> list[Path]:
+    """The files a config is read from: those given, else ./config.yaml (named if absent)."""
+    if isinstance(configfiles, str | os.PathLike):
+        configfiles = [configfiles]
+    if configfiles:
+        return [Path(f) for f in configfiles]
+    default = Path(DEFAULT_CONFIGFILE)
+    if not default.is_file():
+        raise ConfigError(
+            f"no config: no --configfile was given and {Path.cwd()} holds no "
+            f"{DEFAULT_CONFIGFILE}; pass --configfile FILE (start from one in the project's "
+            "configs/), or run in the project directory for the embedded demo"
+        )
+    return [default]
+
+
+def read_config_file(path: Path) -> dict:
+    """One config file as a mapping, or a sentence naming it and what is wrong."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist (--configfile)") from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ConfigError(f"config file {path} cannot be read: {why}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"config file {path} is not valid YAML{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {path} holds a {type(data).__name__}, not a mapping of settings "
+            "(key: value lines, as in config.yaml)"
+        )
+    return data
+
+
+def nest(overrides: Mapping[str, Any]) -> dict:
+    """``{"server.port": 1}`` -> ``{"server": {"port": 1}}``; nested values kept."""
+    out: dict = {}
+    for key, value in overrides.items():
+        parts = str(key).split(".")
+        node = out
+        for p in parts[:-1]:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"--config {key}: {'.'.join(parts[:-1])} is not a mapping")
+            node = nxt
+        merge_into(node, {parts[-1]: dict(value) if isinstance(value, Mapping) else value})
+    return out
+
+
+def merge_into(base: dict, top: Mapping[str, Any]) -> dict:
+    """Mappings merged key by key, any other value replaced (Snakemake's update_config)."""
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
+            merge_into(base[key], value)
+        else:
+            base[key] = dict(value) if isinstance(value, Mapping) else value
+    return base
+
+
+def refuse_demo_leak(files_cfg: dict, overrides: dict, files: list[Path]) -> None:
+    """``--config 'demo={enabled: false}'`` on the demo's config is refused, not merged.
+
+    The demo's config holds values chosen for its 48 tiny records (``max_seq_len: 512``,
+    ``n_chunks: 4``, ``model.revision: demo-v1``, ``max_reject_fraction: 0.05``); a run of a
+    user's data built on it kept them without a word (20 of 20 long records truncated).
+    """
+    if (files_cfg.get("demo") or {}).get("enabled") and (overrides.get("demo") or {}).get(
+        "enabled"
+    ) is False:
+        names = ", ".join(str(f) for f in files)
+        raise ConfigError(
+            f"--config turns the demo off on {names}, the demo's config: its other values "
+            "(max_seq_len, n_chunks, model.revision, merge.max_reject_fraction ...) are the "
+            "demo's and would silently apply to your data. Write your own config file "
+            "(start from configs/qwen3-8b-1xh200.yaml or configs/deepseek-v3-8xh200.yaml) "
+            "and pass it with --configfile"
+        )
+
+
+def typed(cfg: dict) -> Config:
     """The config as typed objects, each declared default filled where a key is absent
-    (a config the schema validated has them all already); a Config is returned as is.
+    (a config the schema validated has them all already).
+
+    Called once, where a config enters: rules/common.smk and each rule's step
+    (hsextract.steps: Snakemake hands scripts the dict), :func:`read_config` (the CLI,
+    tests), a manifest's recorded config.  The library takes a :class:`Config` only, so a
+    Config given here is refused: it was typed already, and a second conversion on every
+    call was how one chunk's path typed its config nine times.
 
     Lists become tuples (the objects are frozen).  Keys the declarations do not name are
     left out: the schema refuses them where a config enters, and a config recorded by an
     older release (a manifest's) may hold one.  ``raw`` keeps the dict for the digests.
     """
-    if isinstance(cfg, Config):
-        return cfg
+    if not isinstance(cfg, dict):
+        raise TypeError(f"typed() takes the config's dict, not {type(cfg).__name__}")
     try:
         return _build("", cfg, raw=cfg)
     except TypeError as exc:  # a required key is missing: the dataclass names it
@@ -94,19 +217,85 @@ def _build(prefix: str, values: dict, **extra: Any) -> Any:
     return cls(**kwargs, **extra)
 
 
-def as_raw(cfg: AnyConfig) -> dict:
-    """The dict a config was built from: what the digests are taken of."""
-    return cfg.raw if isinstance(cfg, Config) else cfg
-
-
 def validate(cfg: dict) -> dict:
-    """Validate (and fill defaults) with the same schema Snakemake's ``validate`` uses."""
+    """Validate (and fill defaults) with the same schema Snakemake's ``validate`` uses; a
+    refusal is one sentence naming the key (:func:`schema_refusal`), not the schema dump."""
+    from snakemake.exceptions import WorkflowError
     from snakemake.utils import validate as sm_validate
 
     coerce_to_schema(cfg)
-    sm_validate(cfg, str(SCHEMA_PATH), set_default=True)
+    refuse_fractional_integers(cfg)
+    try:
+        sm_validate(cfg, str(SCHEMA_PATH), set_default=True)
+    except WorkflowError as exc:
+        raise ConfigError(schema_refusal(cfg) or str(exc).splitlines()[0]) from None
     check_semantics(cfg)
     return cfg
+
+
+def _schema() -> dict:
+    with open(SCHEMA_PATH) as f:
+        return yaml.safe_load(f)
+
+
+def schema_refusal(cfg: dict) -> str | None:
+    """The schema's most relevant objection to ``cfg`` as a sentence naming the key."""
+    import difflib
+
+    import jsonschema
+
+    error = jsonschema.exceptions.best_match(
+        jsonschema.Draft202012Validator(_schema()).iter_errors(cfg)
+    )
+    if error is None:
+        return None
+    where = ".".join(str(p) for p in error.absolute_path)
+    if error.validator == "additionalProperties":
+        allowed = sorted(error.schema.get("properties", {}))
+        unknown = sorted(set(error.instance) - set(allowed))
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, allowed, n=1)
+            shown = f"{where}.{key}" if where else key
+            hints.append(f"{shown} (did you mean {close[0]}?)" if close else shown)
+        return (
+            f"config key {', '.join(hints)} is not a setting; "
+            f"{where or 'the top level'} takes {', '.join(allowed)} "
+            "(README, 'What each setting changes')"
+        )
+    value = json.dumps(error.instance, default=str)
+    if error.validator == "required":
+        return f"config {where or 'top level'}: {error.message}"
+    return f"config key {where or '(top level)'} = {value} is refused: {error.message}"
+
+
+def refuse_fractional_integers(cfg: dict) -> None:
+    """``n_chunks: 4.0`` or ``seed: 0.0`` is refused at validation, naming the key.
+
+    JSON Schema counts 4.0 as an integer, so it passed and then crashed a later stage
+    (``range(4.0)``) -- or, for ``seed``, renamed the merge's settings file, rerunning it.
+    """
+
+    def walk(value: Any, schema: dict, where: str) -> None:
+        types = schema.get("type", [])
+        types = types if isinstance(types, list) else [types]
+        if isinstance(value, float) and "integer" in types and "number" not in types:
+            whole = f" (write {int(value)})" if value.is_integer() else ""
+            raise ConfigError(
+                f"config key {where} = {value} must be a whole number written without a "
+                f"decimal point{whole}"
+            )
+        if isinstance(value, dict):
+            props = schema.get("properties", {})
+            extra = schema.get("additionalProperties")
+            for k, v in value.items():
+                sub = props.get(k, extra if isinstance(extra, dict) else {})
+                walk(v, sub, f"{where}.{k}" if where else str(k))
+        elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+            for i, v in enumerate(value):
+                walk(v, schema["items"], f"{where}[{i}]")
+
+    walk(cfg, _schema(), "")
 
 
 def coerce_to_schema(cfg: dict) -> dict:
@@ -116,9 +305,7 @@ def coerce_to_schema(cfg: dict) -> dict:
     so its items arrive as strings; the same holds inside any list or mapping given on
     the command line.  Only strings that spell a value of the schema's type are changed.
     """
-    with open(SCHEMA_PATH) as f:
-        schema = yaml.safe_load(f)
-    _coerce(cfg, schema)
+    _coerce(cfg, _schema())
     return cfg
 
 
@@ -161,8 +348,8 @@ def check_semantics(cfg: dict) -> None:
     if not is_loopback(host):
         if not server.get("allow_remote"):
             raise ConfigError(
-                f"server.host={host!r} is not loopback; set server.allow_remote: true "
-                "and server.api_key to expose the extraction server"
+                f"server.host={host!r} is not loopback ({resolved_addresses(host)}); set "
+                "server.allow_remote: true and server.api_key to expose the extraction server"
             )
         if not server.get("api_key"):
             raise ConfigError(f"server.host={host!r} is not loopback: server.api_key is required")
@@ -172,7 +359,62 @@ def check_semantics(cfg: dict) -> None:
     if cfg.get("aux_layers") is not None and len(set(cfg["aux_layers"])) != len(cfg["aux_layers"]):
         raise ConfigError(f"aux_layers has duplicates: {cfg['aux_layers']}")
     check_demo(cfg)
+    check_inputs_outside_output_root(cfg)
     check_dump_dir(cfg)
+
+
+def _glob_regex(pattern: str) -> re.Pattern[str]:
+    """A glob as ``glob.glob(recursive=True)`` reads it (``**`` any depth, ``*`` and ``?``
+    within a name, ``[...]`` a class), for matching paths that do not exist yet."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:[^/]*/)*")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        elif pattern[i] == "[" and "]" in pattern[i + 2 :]:
+            j = pattern.index("]", i + 2)
+            body = pattern[i + 1 : j]
+            out.append("[^" + body[1:] + "]" if body.startswith("!") else "[" + body + "]")
+            i = j + 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out) + r"\Z")
+
+
+def check_inputs_outside_output_root(cfg: dict) -> None:
+    """An ``inputs`` glob that matches what a run writes is refused before planning.
+
+    With ``output_root`` under the inputs' directory (``inputs: [data/**/*.jsonl]``,
+    ``output_root: data/results``) the merge's own train.jsonl or a chunk's records
+    became an input of the next plan: a cyclic graph.  Decided on the paths a run writes
+    (they need not exist yet), resolved from the working directory as both are.
+    """
+    root = os.path.abspath(cfg.get("output_root") or ".")
+    written = [
+        f"{root}/0123456789ab/merged/train.jsonl",
+        f"{root}/0123456789ab/merged/rejects.jsonl",
+        f"{root}/0123456789ab/chunks/chunk_00000.jsonl",
+    ]  # (the demo's shards under output_root/demo are inputs, made by its own rule)
+    for entry in cfg.get("inputs") or []:
+        rx = _glob_regex(os.path.abspath(os.fspath(entry)))
+        hit = next((w for w in written if rx.match(w)), None)
+        if hit is not None:
+            raise ConfigError(
+                f"inputs entry {entry!r} matches files this run writes under output_root "
+                f"{cfg.get('output_root')!r} (e.g. {os.path.relpath(hit)}): the merge would "
+                "read its own output (a cyclic graph). Set output_root outside the inputs' "
+                "directories, or narrow the glob"
+            )
 
 
 def demo_inputs(cfg: dict) -> str:
@@ -205,11 +447,11 @@ def check_demo(cfg: dict) -> None:
         raise ConfigError(
             f"inputs {inputs} would be ignored: demo.enabled is true, and the demo extracts "
             f"the shards it generates ({demo_inputs(cfg)}) with a random-weight model. "
-            "To extract your data, set demo.enabled: false and model.path (and model.dtype) "
-            "to the model it was tokenized for: in a config file (start from "
-            "configs/deepseek-v3-8xh200.yaml) or on Snakemake's command line: --config "
-            "'demo={enabled: false}' 'model={path: /path/to/model, dtype: bfloat16}'. To "
-            "run the demo, leave inputs unset"
+            "To extract your data, write a config file of your own (start from "
+            "configs/qwen3-8b-1xh200.yaml or configs/deepseek-v3-8xh200.yaml) with "
+            "demo.enabled: false, inputs, and model.path (and model.dtype) of the model it "
+            "was tokenized for, and pass it with --configfile. To run the demo, leave "
+            "inputs unset"
         )
     from hsextract.demo import demo_model_refusal
 
@@ -297,12 +539,36 @@ def check_dump_dir(cfg: dict) -> None:
             raise ConfigError(why)
 
 
+def resolved_addresses(host: str) -> str:
+    """What ``host`` resolves to, for a refusal's message."""
+    import socket
+
+    try:
+        addrs = sorted({i[4][0] for i in socket.getaddrinfo(host, None)})
+    except (socket.gaierror, UnicodeError):
+        return "it does not resolve"
+    return "it resolves to " + ", ".join(addrs)
+
+
 def is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
+    """Whether every address ``host`` resolves to is a loopback one (decided by the
+    resolved address, not the text: ``127.x.example.com`` may resolve anywhere)."""
+    import ipaddress
+    import socket
+
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError):
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
 
 
-def resolve_aux_layers(cfg: AnyConfig, num_layers: int) -> list[int]:
-    layers = typed(cfg).aux_layers
+def resolve_aux_layers(cfg: Config, num_layers: int) -> list[int]:
+    layers = cfg.aux_layers
     layers = default_aux_layers(num_layers) if layers is None else list(layers)
     for layer in layers:
         if not 0 <= layer < num_layers:
@@ -310,41 +576,40 @@ def resolve_aux_layers(cfg: AnyConfig, num_layers: int) -> list[int]:
     return layers
 
 
-def captured_layers(cfg: AnyConfig, num_layers: int) -> list[int]:
+def captured_layers(cfg: Config, num_layers: int) -> list[int]:
     """What a dump holds as aux, in order: the EAGLE-3 layers, then with ``prenorm_final``
     the stream before the final norm (index L, :func:`convention.prenorm_layer`)."""
     layers = resolve_aux_layers(cfg, num_layers)
-    return [*layers, prenorm_layer(num_layers)] if typed(cfg).prenorm_final else layers
+    return [*layers, prenorm_layer(num_layers)] if cfg.prenorm_final else layers
 
 
-def server_aux_layers(cfg: AnyConfig) -> list[int] | None:
+def server_aux_layers(cfg: Config) -> list[int] | None:
     """The aux layers a server must be told, or None to let it use the EAGLE-3 default
     (no model config is read then: the default is computed where the model is loaded)."""
-    c = typed(cfg)
-    if c.prenorm_final:
-        return captured_layers(c, int(read_model_config(c)["num_hidden_layers"]))
-    return None if c.aux_layers is None else list(c.aux_layers)
+    if cfg.prenorm_final:
+        return captured_layers(cfg, int(read_model_config(cfg)["num_hidden_layers"]))
+    return None if cfg.aux_layers is None else list(cfg.aux_layers)
 
 
-def read_model_config(cfg: AnyConfig) -> dict:
+def read_model_config(cfg: Config) -> dict:
     """The model's HF config.json (its text part for multimodal checkpoints)."""
-    data = json.loads((Path(typed(cfg).model.path) / "config.json").read_text())
+    data = json.loads((Path(cfg.model.path) / "config.json").read_text())
     return data.get("text_config", data)
 
 
-def model_identity(cfg: AnyConfig) -> dict:
+def model_identity(cfg: Config) -> dict:
     """What names the model's weights: the path, a revision tag, and the demo recipe.
 
     The path as configured, not resolved: a copied or moved project keeps its run dirs.
-    The dict as written (:func:`as_raw`), as for the whole fingerprint.
+    The dict as written (``cfg.raw``), as for the whole fingerprint.
     """
-    cfg = as_raw(cfg)
+    raw = cfg.raw
     ident: dict[str, Any] = {
-        "path": os.path.normpath(cfg["model"]["path"]),
-        "revision": cfg["model"].get("revision"),
-        "dtype": cfg["model"]["dtype"],
+        "path": os.path.normpath(raw["model"]["path"]),
+        "revision": raw["model"].get("revision"),
+        "dtype": raw["model"]["dtype"],
     }
-    demo = cfg.get("demo", {})
+    demo = raw.get("demo", {})
     if demo.get("enabled"):
         # The recipe of the seeded random weights (not the data: n_records, n_shards).
         ident["demo"] = {
@@ -353,7 +618,7 @@ def model_identity(cfg: AnyConfig) -> dict:
     return ident
 
 
-def fingerprint_payload(cfg: AnyConfig) -> dict:
+def fingerprint_payload(cfg: Config) -> dict:
     """Everything that changes the numbers a record's hidden states hold: the run dir's name.
 
     Deliberately not here (README, "What each setting changes"): the records themselves
@@ -365,13 +630,13 @@ def fingerprint_payload(cfg: AnyConfig) -> dict:
     Taken of the dict as written, not of the typed config: keys absent from an old run's
     config (``storage``, ``prenorm_final``) must stay absent from its payload.
     """
-    cfg = as_raw(cfg)
+    raw = cfg.raw
     payload = {
         "model": model_identity(cfg),
-        "aux_layers": cfg.get("aux_layers"),
+        "aux_layers": raw.get("aux_layers"),
         "convention": CAPTURE_CONVENTION,
         "format_version": FORMAT_VERSION,
-        "engine": cfg["engine"],
+        "engine": raw["engine"],
     }
     # The codec changes the bytes (fp8 the numbers too), so a run with another one is
     # another run dir; "none" is the v1 layout and leaves the fingerprint as it was, so a
@@ -379,40 +644,40 @@ def fingerprint_payload(cfg: AnyConfig) -> dict:
     codec = storage_codec(cfg)
     if codec != "none":
         payload["storage_codec"] = codec
-    if cfg.get("prenorm_final"):  # absent when off: runs from before it keep their dir
+    if raw.get("prenorm_final"):  # absent when off: runs from before it keep their dir
         payload["prenorm_final"] = True
     return payload
 
 
-def storage_codec(cfg: AnyConfig) -> str:
+def storage_codec(cfg: Config) -> str:
     """The chunk codec: a config without ``storage``, as written before codecs, is none (not
     the declared default, lossless, which the schema fills in every config validated now)."""
-    return str((as_raw(cfg).get("storage") or {}).get("codec", "none"))
+    return str((cfg.raw.get("storage") or {}).get("codec", "none"))
 
 
-def fingerprint(cfg: AnyConfig) -> str:
+def fingerprint(cfg: Config) -> str:
     """A short hash of :func:`fingerprint_payload`."""
     blob = json.dumps(fingerprint_payload(cfg), sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
-def launch_settings(cfg: AnyConfig) -> dict[str, Any]:
+def launch_settings(cfg: Config) -> dict[str, Any]:
     """What the extraction server is started with, beyond what the fingerprint names.
 
     A change takes effect at the next launch (``launch_server`` reruns on it, and
     ``ensure()`` replaces a live server started with other settings); finished chunks
     are kept, and each chunk's sidecar records the settings that produced it.  No
     secrets: the API key only as set or not (the client's key is checked by /health).
-    The dict as written (:func:`as_raw`): its digest names a settings file of every run.
+    The dict as written (``cfg.raw``): its digest names a settings file of every run.
     """
-    cfg = as_raw(cfg)
-    server = cfg["server"]
+    raw = cfg.raw
+    server = raw["server"]
     out: dict[str, Any] = {
-        "engine": cfg["engine"],
-        "model_path": cfg["model"]["path"],
-        "dtype": cfg["model"]["dtype"],
-        "aux_layers": cfg.get("aux_layers"),
-        "max_seq_len": cfg["max_seq_len"],  # the context length follows it
+        "engine": raw["engine"],
+        "model_path": raw["model"]["path"],
+        "dtype": raw["model"]["dtype"],
+        "aux_layers": raw.get("aux_layers"),
+        "max_seq_len": raw["max_seq_len"],  # the context length follows it
         "host": server["host"],
         "port": server["port"],
         "api_key": bool(server.get("api_key")),
@@ -420,21 +685,21 @@ def launch_settings(cfg: AnyConfig) -> dict[str, Any]:
         "max_running_requests": server["max_running_requests"],
         # As configured: the default's path moves with the project, which is no reason
         # to replace a server (the client reads pieces where the live server writes them).
-        "dump_dir": (cfg.get("dump") or {}).get("dir"),
+        "dump_dir": (raw.get("dump") or {}).get("dir"),
     }
-    if cfg.get("prenorm_final"):  # only when on: a digest from before it stays the same
+    if raw.get("prenorm_final"):  # only when on: a digest from before it stays the same
         out["prenorm_final"] = True
     # dp_size only when > 1: a digest from before it existed stays the same.
-    dp = int((cfg.get("sglang") or {}).get("dp_size", 1))
-    if cfg["engine"] == "reference":
+    dp = int((raw.get("sglang") or {}).get("dp_size", 1))
+    if raw["engine"] == "reference":
         out["device"] = server["device"]
         out["batch_invariant"] = server["batch_invariant"]
         if dp > 1:
             out["dp_size"] = dp
     else:
-        out["capture"] = cfg.get("capture", "patch")
+        out["capture"] = raw.get("capture", "patch")
         out["sglang"] = {
-            k: v for k, v in (cfg.get("sglang") or {}).items() if not (k == "dp_size" and v == 1)
+            k: v for k, v in (raw.get("sglang") or {}).items() if not (k == "dp_size" and v == 1)
         }
     return out
 
@@ -445,55 +710,53 @@ def settings_digest(settings: dict[str, Any]) -> str:
     ]
 
 
-def run_dir(cfg: AnyConfig) -> Path:
-    return Path(typed(cfg).output_root) / fingerprint(cfg)
+def run_dir(cfg: Config) -> Path:
+    return Path(cfg.output_root) / fingerprint(cfg)
 
 
-def dump_dir(cfg: AnyConfig) -> Path:
+def dump_dir(cfg: Config) -> Path:
     """Per-user, per-run dump dir on /dev/shm unless configured; never shared between users.
 
     The output root's hash is in the name too: two checkouts of the same config on one
     host must not share (or stale-delete) each other's in-flight pieces.
     """
-    configured = typed(cfg).dump.dir
+    configured = cfg.dump.dir
     if configured:
         return Path(configured)
     name = f"hsextract-{getpass.getuser()}-{os.getuid()}-{fingerprint(cfg)}-{output_root_tag(cfg)}"
     return Path("/dev/shm") / name
 
 
-def output_root_tag(cfg: AnyConfig) -> str:
+def output_root_tag(cfg: Config) -> str:
     """A short hash of the resolved output root: two checkouts never share a dump dir."""
-    return hashlib.sha256(str(Path(typed(cfg).output_root).resolve()).encode()).hexdigest()[:6]
+    return hashlib.sha256(str(Path(cfg.output_root).resolve()).encode()).hexdigest()[:6]
 
 
-def public_config(cfg: AnyConfig) -> dict:
+def public_config(cfg: Config) -> dict:
     """The config as written, secrets masked, for state files and logs."""
-    out = copy.deepcopy(as_raw(cfg))
+    out = copy.deepcopy(cfg.raw)
     if out.get("server", {}).get("api_key"):
         out["server"]["api_key"] = "***"
     return out
 
 
-def demo_shards(cfg: AnyConfig) -> list[str]:
+def demo_shards(cfg: Config) -> list[str]:
     """The demo's shard paths (demo_data writes them)."""
-    c = typed(cfg)
-    return [f"{c.output_root}/demo/data/shard_{i:02d}.jsonl" for i in range(c.demo.n_shards)]
+    return [f"{cfg.output_root}/demo/data/shard_{i:02d}.jsonl" for i in range(cfg.demo.n_shards)]
 
 
-def input_shards(cfg: AnyConfig) -> list[str]:
+def input_shards(cfg: Config) -> list[str]:
     """The demo's shards, or every file the configured paths and globs match: the
     library's one expansion (records.resolve_inputs: `**` recursive, sorted, each file
     once), so the workflow merges exactly the shards `hsextract plan` and the merge see."""
     from hsextract.records import resolve_inputs
 
-    c = typed(cfg)
-    if c.demo.enabled:
-        return demo_shards(c)
-    return [str(p) for p in resolve_inputs(list(c.inputs or []))]
+    if cfg.demo.enabled:
+        return demo_shards(cfg)
+    return [str(p) for p in resolve_inputs(list(cfg.inputs or []))]
 
 
-def stage_settings(cfg: AnyConfig) -> dict[str, dict[str, Any]]:
+def stage_settings(cfg: Config) -> dict[str, dict[str, Any]]:
     """What each stage's outputs depend on beyond its input files, by stage (merge, split,
     launch, stale, and with the demo demo_data and demo_model): rules/common.smk names each
     in a settings file, and tests/test_settings.py checks every key's kind against them.
@@ -505,35 +768,59 @@ def stage_settings(cfg: AnyConfig) -> dict[str, dict[str, Any]]:
     """
     from hsextract.records import ASSIGNMENT, identity_as_made, input_identity
 
-    c = typed(cfg)
-    demo = asdict(c.demo)
+    demo = asdict(cfg.demo)
     out: dict[str, dict[str, Any]] = {}
-    if c.demo.enabled:
+    if cfg.demo.enabled:
         out["demo_data"] = {
             "demo": {k: demo[k] for k in ("seed", "n_records", "n_shards", "vocab_size")},
-            "max_seq_len": c.max_seq_len,
+            "max_seq_len": cfg.max_seq_len,
         }
         out["demo_model"] = {
             "demo": {k: demo[k] for k in ("seed", "num_hidden_layers", "hidden_size", "vocab_size")}
         }
-        made_file = Path(demo_data_settings_file(c, out["demo_data"]))
+        made_file = Path(demo_data_settings_file(cfg, out["demo_data"]))
         made = json.loads(made_file.read_text()).get("shards") if made_file.exists() else None
-        inputs: list = identity_as_made(input_shards(c), made)
+        inputs: list = identity_as_made(input_shards(cfg), made)
     else:
-        inputs = input_identity(input_shards(c))
+        inputs = input_identity(input_shards(cfg))
     out["merge"] = {
-        "max_seq_len": c.max_seq_len,
-        "overlength": c.merge.overlength,
-        "seed": c.seed,
+        "max_seq_len": cfg.max_seq_len,
+        "overlength": cfg.merge.overlength,
+        "seed": cfg.seed,
         "inputs": inputs,
     }
-    out["split"] = {"n_chunks": c.n_chunks, "assignment": ASSIGNMENT}
-    out["launch"] = launch_settings(c)
+    out["split"] = {"n_chunks": chunk_count(cfg), "assignment": ASSIGNMENT}
+    out["launch"] = launch_settings(cfg)
     # A changed stale.* setting reruns delete_stale_states, so that stale.delete_finished:
     # true deletes what the plan printed at startup says it will.
-    out["stale"] = asdict(c.stale)
+    out["stale"] = asdict(cfg.stale)
     return out
 
 
-def demo_data_settings_file(cfg: AnyConfig, values: dict[str, Any]) -> str:
-    return f"{typed(cfg).output_root}/demo/data/settings-{settings_digest(values)}.json"
+def chunk_sizing(cfg: Config, *, write_cache: bool = True) -> ChunkSizing | None:
+    """What ``n_chunks: auto`` resolves to (None for a number): sized from the inputs'
+    tokens (hsextract.datasize, counted once per version of the inputs) and the server's
+    in-flight window (hsextract.sizing).  The demo's shards do not exist before its first
+    job, so its count comes from its recipe (n_records records of up to max_seq_len)."""
+    from hsextract.sizing import auto_chunks
+
+    if cfg.n_chunks != "auto":
+        return None
+    if cfg.demo.enabled:
+        records, tokens = cfg.demo.n_records, cfg.demo.n_records * cfg.max_seq_len
+    else:
+        from hsextract.datasize import input_size
+
+        records, tokens = input_size(cfg, input_shards(cfg), write_cache=write_cache)
+    return auto_chunks(cfg, tokens, records)
+
+
+def chunk_count(cfg: Config, *, write_cache: bool = True) -> int:
+    """How many chunk files the records are split into: ``n_chunks``, or what ``auto``
+    resolves to (:func:`chunk_sizing`).  Every reader of the count asks here."""
+    sizing = chunk_sizing(cfg, write_cache=write_cache)
+    return int(cfg.n_chunks) if sizing is None else sizing.n_chunks
+
+
+def demo_data_settings_file(cfg: Config, values: dict[str, Any]) -> str:
+    return f"{cfg.output_root}/demo/data/settings-{settings_digest(values)}.json"

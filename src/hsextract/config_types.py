@@ -95,7 +95,7 @@ class ServerConfig:
 class ClientConfig:
     """``client``."""
 
-    #: requests one chunk job keeps in flight (per dp worker)
+    #: requests in flight per sending turn (per dp worker); a sending job also takes the share of turns no job holds (client._Window)
     requests_in_flight: int = 8
     #: chunk jobs sending at once
     sending_jobs: int = 4
@@ -186,8 +186,8 @@ class Config:
     inputs: tuple[str, ...] | None = None
     #: runs live in <output_root>/<fingerprint>/ [run location]
     output_root: str
-    #: how many chunk files the records are split into [chunk content]
-    n_chunks: int
+    #: how many chunk files the records are split into; auto = sized from the inputs' tokens and the server's in-flight window (hsextract.sizing) [chunk content]
+    n_chunks: int | str = "auto"
     #: the one source of truth for length [chunk content, launch spec]
     max_seq_len: int
     #: shuffles the merge [merge order]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from hsextract.config import AnyConfig, typed
+from hsextract.config_types import Config
 from hsextract.errors import ConfigError
 
 #: How a DP worker names itself: SGLang's schedulers set their process title
@@ -36,43 +36,42 @@ SGLANG_WORKER_TITLE = "sglang::scheduler"
 REFERENCE_WORKER_COMM = "hsref::dp"
 
 
-def dp_size(cfg: AnyConfig) -> int:
+def dp_size(cfg: Config) -> int:
     """Data-parallel workers of the one server (``sglang.dp_size``; both engines)."""
-    value = typed(cfg).sglang.dp_size
+    value = cfg.sglang.dp_size
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"sglang.dp_size must be an integer >= 1, got {value!r}")
     return value
 
 
-def tp_size(cfg: AnyConfig) -> int:
-    c = typed(cfg)
-    return c.sglang.tp_size if c.engine == "sglang" else 1
+def tp_size(cfg: Config) -> int:
+    return cfg.sglang.tp_size if cfg.engine == "sglang" else 1
 
 
-def server_gpu_count(cfg: AnyConfig) -> int:
+def server_gpu_count(cfg: Config) -> int:
     """GPUs one server takes (a chunk job's ``gpu`` resource): dp x tp; 0 on the
     reference engine, which runs on CPU unless ``server.device`` says otherwise."""
-    return dp_size(cfg) * tp_size(cfg) if typed(cfg).engine == "sglang" else 0
+    return dp_size(cfg) * tp_size(cfg) if cfg.engine == "sglang" else 0
 
 
-def requests_in_flight(cfg: AnyConfig) -> int:
+def requests_in_flight(cfg: Config) -> int:
     """Requests one chunk job keeps in flight: ``client.requests_in_flight`` per replica."""
-    return typed(cfg).client.requests_in_flight * dp_size(cfg)
+    return cfg.client.requests_in_flight * dp_size(cfg)
 
 
-def shm_budget_bytes(cfg: AnyConfig) -> int:
+def shm_budget_bytes(cfg: Config) -> int:
     """The dump dir's byte budget shared by a node's chunk jobs: ``dump.shm_budget_gb``
     per replica (its in-flight requests' pieces scale with the replicas)."""
-    return int(float(typed(cfg).dump.shm_budget_gb) * 2**30) * dp_size(cfg)
+    return int(float(cfg.dump.shm_budget_gb) * 2**30) * dp_size(cfg)
 
 
-def budget_keys(cfg: AnyConfig) -> str:
+def budget_keys(cfg: Config) -> str:
     """How the two figures above were reached, for messages."""
     n = dp_size(cfg)
     return f" x sglang.dp_size {n}" if n > 1 else ""
 
 
-def expected_workers(cfg: AnyConfig) -> int | None:
+def expected_workers(cfg: Config) -> int | None:
     """Worker processes a healthy server has, when nobody else watches them (dp > 1):
     SGLang dp x tp schedulers, the reference engine dp workers; None at dp 1."""
     n = dp_size(cfg)
@@ -85,13 +84,13 @@ def _option(args: list[str], flag: str) -> str | None:
     return _option_value(args, flag)
 
 
-def server_gpus(cfg: AnyConfig, environ: dict[str, str] | None = None) -> list[str]:
+def server_gpus(cfg: Config, environ: dict[str, str] | None = None) -> list[str]:
     """The devices the server's dp x tp ranks take, as ``CUDA_VISIBLE_DEVICES`` names them
     (an index or a UUID), one per rank: rank r of DP worker d is CUDA ordinal ``base_gpu_id
     + (d*tp + r)*gpu_id_step`` of the visible list.  Two ranks may name one device (a
     ``CUDA_VISIBLE_DEVICES`` listing it twice, with ``SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS``:
     several workers on one GPU).  Raises ConfigError when the visible list is too short."""
-    sg = typed(cfg).sglang
+    sg = cfg.sglang
     extra = list(sg.extra_args)
     base = int(_option(extra, "--base-gpu-id") or 0)
     step = int(_option(extra, "--gpu-id-step") or 1)

@@ -19,8 +19,8 @@ import orjson
 
 # The structural half only: building the manifest, once after the last chunk of every run,
 # reads no states, and importing torch (hsextract.chunks) was most of its time.
-from hsextract.chunkfile import ChunkFileError, check_chunk, sha256_file
-from hsextract.config import AnyConfig, fingerprint, public_config, storage_codec, typed
+from hsextract.chunkfile import ChunkFileError, check_chunk, digest_mismatch, sha256_file
+from hsextract.config import Config, fingerprint, public_config, storage_codec, typed
 from hsextract.errors import HsextractError
 from hsextract.records import content_digest, read_index, record_digest
 from hsextract.server import write_json
@@ -35,7 +35,7 @@ def _redo(path: Path) -> str:
 
 
 def build_manifest(
-    sidecars: list[Path], *, stats: Path, index: Path, out: Path, cfg: AnyConfig
+    sidecars: list[Path], *, stats: Path, index: Path, out: Path, cfg: Config
 ) -> dict:
     """Cross-check each chunk against its sidecar, the index and train.jsonl; list them.
 
@@ -43,7 +43,6 @@ def build_manifest(
     from the bytes it fsynced; re-hashing terabytes here would double the I/O.
     ``hsextract verify`` re-hashes.
     """
-    cfg = typed(cfg)
     root = out.parent
     idx = read_index(index)
     entries = {Path(e["path"]).stem: e for e in idx["chunks"]}
@@ -169,6 +168,9 @@ def verify_manifest(path: Path) -> list[str]:
     Each chunk file: present, its sha256 the manifest's, the records it really holds
     (digest of its own ids, masks and record ids) the ones the index assigns it, and the
     index's digest that of the train.jsonl lines it points at, each line in one chunk.
+    And every field of the manifest against its source (:class:`_Fields`): a per-chunk
+    field against the file's header and its sidecar, a run-level one against the run
+    dir, the config, the merge stats, the index and the chunks, one line per mismatch.
     """
     from hsextract.chunks import content_digest_of  # reads the tensors: torch
 
@@ -196,19 +198,32 @@ def verify_manifest(path: Path) -> list[str]:
             if digest != entries[name]["content_digest"]:
                 problems.append(f"{index_path}: {name}'s digest is not its train.jsonl lines'")
     problems += _input_problems(root, data)
-    listed = {c["chunk"] for c in data["chunks"]}
+    chunks = [c for c in data.get("chunks") or [] if isinstance(c, dict)]
+    listed = {c.get("chunk") for c in chunks}
     for name in sorted(set(entries) - listed):
         problems.append(f"chunk {name}: in {index_path} but not in the manifest")
-    for c in data["chunks"]:
-        f = root / c["path"]
-        name = c["chunk"]
-        if not f.exists():
+    fields = _Fields(path)
+    truths: list[dict] = []
+    for c in chunks:
+        name = str(c.get("chunk"))
+        f = root / str(c.get("path"))
+        if not f.is_file():
             problems.append(f"chunk {name}: {f} missing")
             continue
-        digest = sha256_file(f)
-        if digest != c["sha256"]:
-            problems.append(f"chunk {name}: {f}: sha256 {digest} != manifest {c['sha256']}")
+        truth = _chunk_truth(f, fields, name)
+        if truth is None:
             continue
+        truths.append(truth)
+        fields.chunk(name, c, truth, entries.get(name), index_path)
+        digest = sha256_file(f)
+        recorded = truth["sidecar"].get("sha256", c.get("sha256"))
+        if digest != recorded:  # the bytes changed after extraction: the chunk is damaged
+            problems.append(
+                f"chunk {name}: {digest_mismatch(f, str(recorded), digest)} (manifest "
+                f"{str(c.get('sha256'))[:12]}...)"
+            )
+            continue
+        fields.chunk_field(name, "sha256", c.get("sha256"), digest, f"the bytes of {f}")
         entry = entries.get(name)
         if entry is None:
             problems.append(f"chunk {name}: {f} is not a chunk of {index_path}")
@@ -226,7 +241,170 @@ def verify_manifest(path: Path) -> list[str]:
             )
             continue
         problems += _decode_problems(f, name)
-    return problems
+    fields.run(data, root, idx, truths, chunks)
+    return problems + fields.problems
+
+
+def _chunk_truth(f: Path, fields: _Fields, name: str) -> dict | None:
+    """What a chunk's file header and its sidecar say (no states read): the values every
+    per-chunk field of the manifest must equal; None (reported) when unreadable."""
+    try:
+        info = check_chunk(f)
+    except ChunkFileError as exc:
+        fields.problems.append(f"chunk {name}: {exc}; {_redo(f)}")
+        return None
+    sidecar_path = f.with_suffix(".json")
+    try:
+        sidecar = json.loads(sidecar_path.read_text())
+    except (OSError, ValueError) as exc:
+        fields.problems.append(f"chunk {name}: its sidecar {sidecar_path} is unreadable ({exc})")
+        sidecar = {}
+    return {**info, "name": name, "file": f, "bytes": f.stat().st_size, "sidecar": sidecar}
+
+
+class _Fields:
+    """Every field of a manifest against what it was made from, one line per mismatch.
+
+    A manifest field is only ever written from a chunk file (its header, its bytes), its
+    sidecar, the index or the config: each is compared with its source, so an edit of
+    any of them (by hand, or a tool's) cannot pass as ok.  The file is the truth; the fix
+    named is a rebuilt manifest, or a re-extraction where the sidecar disagrees too.
+    """
+
+    def __init__(self, manifest: Path) -> None:
+        self.manifest = manifest
+        self.rebuild = f"rebuild it: delete {manifest} and rerun `snakemake -j1 extract_all`"
+        self.problems: list[str] = []
+
+    def chunk_field(self, name: str, field: str, have: object, want: object, source: str) -> None:
+        if have != want:
+            self.problems.append(
+                f"chunk {name}: {field} is {have!r} in the manifest but {want!r} in "
+                f"{source}; {self.rebuild}"
+            )
+
+    def run_field(self, field: str, have: object, want: object, source: str) -> None:
+        if have != want:
+            self.problems.append(
+                f"{field} is {have!r} in the manifest but {want!r} in {source}; {self.rebuild}"
+            )
+
+    def chunk(self, name: str, c: dict, truth: dict, entry: dict | None, index_path: Path) -> None:
+        """The per-chunk fields, against the file's header (and size), its sidecar and
+        the index; a sidecar that disagrees with its own file is reported too."""
+        f, sidecar, meta = truth["file"], truth["sidecar"], truth["metadata"]
+        rel = f"hidden/{f.name}"
+        self.chunk_field(name, "path", c.get("path"), rel, f"the chunk's name ({name})")
+        self.chunk_field(name, "chunk", name, meta.get("chunk", name), f"the header of {f}")
+        for field, want in (
+            ("records", truth["records"]),
+            ("tokens", truth["tokens"]),
+            ("bytes", truth["bytes"]),
+            ("codec", truth["codec"]),
+            ("states_raw_bytes", truth["raw_bytes"]),
+            ("content_digest", meta.get("content_digest")),
+        ):
+            self.chunk_field(name, field, c.get(field), want, f"{f}")
+            if field in sidecar and sidecar[field] != want:
+                self.problems.append(
+                    f"chunk {name}: {field} is {sidecar[field]!r} in its sidecar but "
+                    f"{want!r} in {f}; {_redo(f)}"
+                )
+        if entry is not None:
+            for field in ("records", "content_digest"):
+                self.chunk_field(name, field, c.get(field), entry.get(field), str(index_path))
+
+    def run(
+        self, data: dict, root: Path, idx: dict, truths: list[dict], chunks: list[dict]
+    ) -> None:
+        """The run-level fields, against the run dir, the config the manifest records,
+        the merge stats, the index and every chunk's header and sidecar."""
+        cfg = data.get("config") or {}
+        fp = data.get("fingerprint")
+        self.run_field("format_version", data.get("format_version"), "1", "this hsextract")
+        self.run_field("fingerprint", fp, root.name, f"the run dir's name ({root})")
+        try:
+            recorded = typed(cfg)  # as written then: typed() takes an older release's keys
+            self.run_field("fingerprint", fp, fingerprint(recorded), "the config it records")
+            self.run_field("codec", data.get("codec"), storage_codec(recorded), "the config")
+        except (KeyError, TypeError, AttributeError, HsextractError) as exc:
+            self.problems.append(f"its config is incomplete ({exc!r}); {self.rebuild}")
+        model = cfg.get("model") if isinstance(cfg.get("model"), dict) else {}
+        self.run_field("engine", data.get("engine"), cfg.get("engine"), "the config")
+        self.run_field("model", data.get("model"), model.get("path"), "the config")
+        self.run_field("max_seq_len", data.get("max_seq_len"), cfg.get("max_seq_len"), "the config")
+        self._max_seq_len(data.get("max_seq_len"), root / str(data.get("merge_stats")), truths)
+        self._aux_layers(data.get("aux_layers"), cfg.get("aux_layers"), truths)
+        for t in truths:
+            meta, side, f = t["metadata"], t["sidecar"], t["file"]
+            for field in ("fingerprint", "engine", "model", "codec"):
+                want = t["codec"] if field == "codec" else meta.get(field)
+                self.chunk_field(t["name"], field, data.get(field), want, f"the header of {f}")
+            if "fingerprint" in side:
+                self.chunk_field(
+                    t["name"], "fingerprint", fp, side["fingerprint"], f"{f.stem}'s sidecar"
+                )
+        self._totals(data, idx, truths, chunks)
+
+    def _max_seq_len(self, have: object, stats: Path, truths: list[dict]) -> None:
+        try:
+            merged = json.loads(stats.read_text()).get("params", {}).get("max_seq_len")
+        except (OSError, ValueError, AttributeError):
+            merged = have  # unreadable stats: reported by _input_problems
+        self.run_field("max_seq_len", have, merged, f"{stats} (what the merge cut records to)")
+        for t in truths:
+            if isinstance(have, int) and t["longest"] > have:
+                self.problems.append(
+                    f"chunk {t['name']}: max_seq_len is {have} in the manifest but {t['file']} "
+                    f"holds a record of {t['longest']} tokens; {self.rebuild}"
+                )
+
+    def _aux_layers(self, have: object, configured: object, truths: list[dict]) -> None:
+        for t in truths:
+            self.chunk_field(
+                t["name"], "aux_layers", have, t["stored_layers"], f"the header of {t['file']}"
+            )
+            side = t["sidecar"].get("aux_layers", t["stored_layers"])
+            if side != t["stored_layers"]:
+                self.problems.append(
+                    f"chunk {t['name']}: aux_layers is {side!r} in its sidecar but "
+                    f"{t['stored_layers']!r} in {t['file']}; {_redo(t['file'])}"
+                )
+        if configured is not None and truths:
+            # Stored = the configured layers, plus the final layer's index with prenorm_final.
+            self.run_field(
+                "aux_layers (without prenorm_final's)",
+                truths[0]["aux_layers"],
+                configured,
+                "the config",
+            )
+
+    def _totals(self, data: dict, idx: dict, truths: list[dict], chunks: list[dict]) -> None:
+        """Sums of what the chunk files hold (not of the manifest's per-chunk fields: an
+        edit of one and its total together must not pass)."""
+        totals = data.get("totals") or {}
+        complete = len(truths) == len(chunks)  # else the missing chunks are reported
+        self.run_field("totals.chunks", totals.get("chunks"), len(chunks), "its chunk list")
+        for field, key in (
+            ("records", "records"),
+            ("tokens", "tokens"),
+            ("bytes", "bytes"),
+            ("states_raw_bytes", "raw_bytes"),
+        ):
+            want = (
+                sum(t[key] for t in truths)
+                if complete
+                else sum(int(c.get(field) or 0) for c in chunks)
+            )
+            self.run_field(f"totals.{field}", totals.get(field), want, "the chunk files (summed)")
+        d = data.get("data") or {}
+        self.run_field("data.records", d.get("records"), idx.get("source_records"), "the index")
+        self.run_field(
+            "data.train_sha256", d.get("train_sha256"), idx.get("source_sha256"), "the index"
+        )
+        self.run_field(
+            "totals.records", totals.get("records"), idx.get("source_records"), "the index"
+        )
 
 
 def _workflow_dir(run_dir: Path, output_root: str | None) -> Path:
@@ -258,7 +436,7 @@ def _input_problems(root: Path, data: dict) -> list[str]:
         return []
     try:
         changed = changed_inputs(
-            cfg, stats, base=_workflow_dir(root, cfg.get("output_root")), content=True
+            typed(cfg), stats, base=_workflow_dir(root, cfg.get("output_root")), content=True
         )
     except HsextractError as exc:
         changed = [str(exc)]

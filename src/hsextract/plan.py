@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hsextract.config import AnyConfig, typed
+from hsextract.config import Config, chunk_count
 from hsextract.errors import HsextractError
 from hsextract.records import input_changes, read_index, resolve_inputs
 
@@ -33,14 +33,13 @@ class PlanError(HsextractError):
     """The merged data or the split do not match the config (Snakemake could not tell)."""
 
 
-def check_data_matches_config(cfg: AnyConfig, index_path: Path, stats_path: Path) -> None:
+def check_data_matches_config(cfg: Config, index_path: Path, stats_path: Path) -> None:
     """Refuse to plan from a merge or split made with other settings.
 
     The params rerun trigger reruns them when a setting changes, but it needs Snakemake's
     metadata (``.snakemake/``); a copied or restored run dir has none.  Planning from the
     old data would pass stale chunks as current, so say what differs and what to run.
     """
-    cfg = typed(cfg)
     stats = json.loads(Path(stats_path).read_text())
     index = read_index(index_path)
     made = stats.get("params", {})
@@ -61,15 +60,17 @@ def check_data_matches_config(cfg: AnyConfig, index_path: Path, stats_path: Path
             f"the inputs changed since {stats_path} was merged ({'; '.join(changed)}); run "
             "`snakemake -j1 extract_all --forcerun merge_and_shuffle`"
         )
-    if index.get("n_chunks") != cfg.n_chunks:
+    want = chunk_count(cfg)
+    if index.get("n_chunks") != want:
+        shown = f"auto ({want})" if cfg.n_chunks == "auto" else str(want)
         raise PlanError(
             f"{index_path} splits into {index.get('n_chunks')} chunks, n_chunks is "
-            f"{cfg.n_chunks}; run `snakemake -j1 extract_all --forcerun split_chunks`"
+            f"{shown}; run `snakemake -j1 extract_all --forcerun split_chunks`"
         )
 
 
 def changed_inputs(
-    cfg: AnyConfig, stats: dict[str, Any], *, base: Path | None = None, content: bool = False
+    cfg: Config, stats: dict[str, Any], *, base: Path | None = None, content: bool = False
 ) -> list[str]:
     """Each shard added, gone or changed since the merge that wrote ``stats``, named.
 
@@ -79,7 +80,6 @@ def changed_inputs(
     :func:`hsextract.records.input_changes`.
     """
     recorded = stats.get("inputs") or []
-    cfg = typed(cfg)
     current = None if cfg.demo.enabled else resolve_inputs(list(cfg.inputs or []), base)
     return input_changes(recorded, current, base=base, content=content)
 

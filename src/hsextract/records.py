@@ -24,11 +24,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import glob
 import hashlib
 import json
+import logging
 import os
 import re
+import shutil
+import signal
+import stat
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -41,7 +46,10 @@ from typing import Any
 import numpy as np
 import orjson
 
+from hsextract.budget import _start_time, human
 from hsextract.errors import HsextractError
+
+log = logging.getLogger(__name__)
 
 #: Token ids must fit the chunk file's int32 ``input_ids`` when the vocab size is unknown.
 INT32_BOUND = 2**31
@@ -56,6 +64,11 @@ OVERLENGTH_POLICIES = ("truncate", "drop")
 FAILED_REJECTS = "rejects-failed.jsonl"
 #: chunks/index.json layout: 2 added content digests and hash assignment.
 INDEX_FORMAT = 2
+#: What the merge writes in its output dir (by temp name first, see :func:`_tmp_name`):
+#: the only temp files a later merge removes there.
+_MERGE_OUTPUTS = re.compile(r"train\.jsonl|stats\.json|rejects\.jsonl|" + re.escape(FAILED_REJECTS))
+#: What split_chunks writes in its chunk dir.
+_SPLIT_OUTPUTS = re.compile(r"chunk_\d{5}\.jsonl|index\.json")
 
 _WS = b" \t\r\n"
 _IDS_KEY = b'"input_ids"'
@@ -72,6 +85,10 @@ _MASK_CHARS = b"01,"
 
 class InputError(HsextractError):
     """An input path or glob is missing, or there is nothing to merge."""
+
+
+class DiskFullError(HsextractError):
+    """An output's filesystem ran out of space (ENOSPC) or quota (EDQUOT) while writing it."""
 
 
 class RejectFractionError(HsextractError):
@@ -632,22 +649,70 @@ def resolve_inputs(
     seen: set[Path] = set()
     for entry in inputs:
         text = os.fspath(entry)
+        pattern = None
         if os.path.isfile(on_disk(text)):
             matches = [text]
         elif glob.has_magic(text):
+            pattern = text
             matches = sorted(glob.glob(text, root_dir=root, recursive=True))
             if not matches:
                 raise InputError(f"input glob {text!r} matches no file (config key: inputs)")
         else:
+            there = os.path.lexists(on_disk(text))
+            problem = _not_a_shard(on_disk(text)) if there else None
+            if problem is not None:
+                raise InputError(_not_a_shard_message(text, None, problem))
             raise InputError(f"input {text!r} is not a file (config key: inputs)")
         for m in matches:
+            # Every match must be a shard: a directory, a broken link or an unreadable
+            # file in a glob is a mistake to name, not a shard to drop without a word.
+            problem = _not_a_shard(on_disk(m))
+            if problem is not None:
+                raise InputError(_not_a_shard_message(m, pattern, problem))
             key = Path(on_disk(m)).resolve()
-            if key not in seen and os.path.isfile(on_disk(m)):
+            if key not in seen:
                 seen.add(key)
                 out.append(Path(m))
     if not out:
         raise InputError("no input files (config key: inputs)")
     return out
+
+
+def _not_a_shard(path: str) -> str | None:
+    """Why ``path`` cannot be read as a shard (a readable regular file, or a symlink to
+    one), in words for the message; None when it can.
+
+    The type is checked before anything is opened: opening a FIFO would block.
+    """
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        if os.path.islink(path):
+            return f"a broken symlink (to {os.readlink(path)!r}, which does not exist)"
+        return "gone (removed while the inputs were listed)"
+    except OSError as exc:
+        return f"not reachable ({exc.strerror})"
+    if stat.S_ISDIR(st.st_mode):
+        return "a directory"
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket or device file"
+        return f"{kind}, not a regular file"
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+    except OSError as exc:
+        return f"not readable ({exc.strerror})"
+    return None
+
+
+def _not_a_shard_message(path: str, pattern: str | None, problem: str) -> str:
+    """One sentence: the path, the glob that matched it, what it is, what to do."""
+    where = f"input glob {pattern!r} matches {path!r}" if pattern else f"input {path!r}"
+    fix = (
+        "remove it or narrow the glob so that it matches only JSON-lines files"
+        if pattern
+        else "fix or remove that entry"
+    )
+    return f"{where}, which is {problem}: {fix} (config key: inputs)"
 
 
 def input_identity(
@@ -807,19 +872,186 @@ def _tune_malloc() -> None:
         libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD
 
 
+#: prctl(2) option: the signal the kernel sends a process when its parent dies.
+_PR_SET_PDEATHSIG = 1
+#: Where a merge's (or split's) pool workers register, inside its output dir, one empty
+#: file each, ``<parent pid>-<parent start>-<worker pid>-<worker start>`` (start: clock
+#: ticks since boot, so a reused pid is never taken for the original): what lets the next
+#: run stop a worker that outlived its killed parent, and nothing else.
+WORKERS_DIR = ".pool-workers"
+_WORKER_ENTRY = re.compile(r"(\d+)-(\d+)-(\d+)-(\d+)")
+
+
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel SIGKILL this worker when its parent dies (Linux ``prctl``).
+
+    Why: a fork worker inherits the parent's end of the task pipe, so when the parent is
+    SIGKILLed (OOM killer, scheduler, ``kill -9``) no EOF ever reaches it and it waits
+    forever: a killed merge left two such orphans.  The parent is checked again after the
+    call: it may have died before, and then no signal would come.  Elsewhere (no prctl)
+    this does nothing, and the next run's :func:`_stop_orphan_workers` stops survivors.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(
+            ctypes.c_int(_PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGKILL),
+            ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0),
+        )  # fmt: skip
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _init_worker(parent: int, parent_start: str | None, registry: str | None) -> None:
+    """Pool worker start-up: die with the parent, register for the next run, tune malloc."""
+    _die_with_parent(parent)
+    me = os.getpid()
+    if registry is not None and parent_start is not None:
+        # Best effort: the death signal is what stops a worker; this only backs it up.
+        with contextlib.suppress(OSError):
+            name = f"{parent}-{parent_start}-{me}-{_start_time(me)}"
+            os.close(os.open(Path(registry, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    _tune_malloc()
+
+
+def _alive_as(pid: int, start: str) -> bool:
+    """Whether ``pid`` is still the process that started at ``start`` and not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    return fields[0] not in ("Z", "X") and fields[19] == start
+
+
+def _stop_orphan_workers(registry: Path) -> list[int]:
+    """SIGKILL the registered pool workers whose parent is dead; return their pids.
+
+    Only provably ours: a worker registered itself (a file of our uid, of the name we
+    write, in our output dir), its parent is no longer the process it registered under,
+    and its pid is still the process it registered as (same start time, so never a pid
+    reused by someone else).  The entries of dead parents go; a live parent's stay.
+    """
+    stopped: list[int] = []
+    entries: list[os.DirEntry[str]] = []
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError), os.scandir(registry) as it:
+        entries = list(it)
+    for entry in entries:
+        m = _WORKER_ENTRY.fullmatch(entry.name)
+        if m is None:
+            continue  # not a name we write: left alone
+        with contextlib.suppress(FileNotFoundError):
+            st = entry.stat(follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            parent, parent_start, pid, start = m.groups()
+            if _alive_as(int(parent), parent_start):
+                continue  # its merge is running
+            if _alive_as(int(pid), start):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+                    stopped.append(int(pid))
+            os.unlink(entry.path)
+    with contextlib.suppress(OSError):
+        registry.rmdir()  # not empty: a live merge's workers
+    if stopped:
+        log.info("stopped pool workers %s left running by a killed run (%s)", stopped, registry)
+    return stopped
+
+
 @contextlib.contextmanager
-def _pool(workers: int, total_bytes: int) -> Iterator[ProcessPoolExecutor | None]:
-    """A fork pool for big inputs; None (run in-process) for small ones."""
+def _pool(
+    workers: int, total_bytes: int, registry: Path | None = None
+) -> Iterator[ProcessPoolExecutor | None]:
+    """A fork pool for big inputs; None (run in-process) for small ones.
+
+    Its workers die with this process (:func:`_die_with_parent`) and register in
+    ``registry`` (a dir in the output dir), so the next run can stop any that survived;
+    the entries go once the pool has shut down.
+    """
     if workers <= 1 or total_bytes < PARALLEL_MIN_BYTES:
         yield None
         return
+    me = os.getpid()
+    me_start = _start_time(me)
+    if registry is not None:
+        registry.mkdir(mode=0o700, exist_ok=True)
     # fork: the workers need no imports and start in milliseconds; the merge runs in its
     # own script process, with no threads that fork could copy mid-lock.
-    pool = ProcessPoolExecutor(workers, mp_context=get_context("fork"), initializer=_tune_malloc)
+    pool = ProcessPoolExecutor(
+        workers,
+        mp_context=get_context("fork"),
+        initializer=_init_worker,
+        initargs=(me, me_start, str(registry) if registry is not None else None),
+    )
     try:
         yield pool
     finally:
         pool.shutdown()
+        if registry is not None:
+            for entry in _scan_names(registry, f"{me}-{me_start}-"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(registry / entry)
+            with contextlib.suppress(OSError):
+                registry.rmdir()
+
+
+def _scan_names(path: Path, prefix: str) -> list[str]:
+    """Names in ``path`` that start with ``prefix`` (none when it is gone)."""
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        return [n for n in os.listdir(path) if n.startswith(prefix)]
+    return []
+
+
+def _remove_dead_temps(out_dir: Path, names: re.Pattern[str]) -> list[str]:
+    """Remove the temporary files (``.<name>.tmp-<pid>``, see :func:`_tmp_name`) that a
+    killed writer left in ``out_dir``; return their names.
+
+    Only provably ours and dead: ``<name>`` is one this stage writes there (``names``), a
+    regular file of our uid, and its writer is gone -- no process has its pid, or the one
+    that has it started after the file was last changed (a reused pid), and it is not this
+    process.  Anything else stays: a live writer's file, or someone's.
+    """
+    removed = []
+    clock = os.sysconf("SC_CLK_TCK")
+    for name in _scan_names(out_dir, "."):
+        m = re.fullmatch(r"\.(.+)\.tmp-(\d+)", name)
+        if m is None or not names.fullmatch(m.group(1)):
+            continue
+        path = out_dir / name
+        with contextlib.suppress(FileNotFoundError):
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            pid = int(m.group(2))
+            if pid == os.getpid():
+                continue
+            started = _start_time(pid)
+            if started is not None and _boot_time() + int(started) / clock <= st.st_ctime + 1:
+                continue  # that process may have written it: it stays
+            os.unlink(path)
+            removed.append(name)
+    if removed:
+        log.info("removed temporary files of a killed run in %s: %s", out_dir, removed)
+    return removed
+
+
+def _boot_time() -> float:
+    """The epoch second the system booted (/proc/stat ``btime``): process start times are
+    clock ticks since then."""
+    with open("/proc/stat") as f:
+        for line in f:
+            if line.startswith("btime "):
+                return float(line.split()[1])
+    return 0.0
+
+
+def _clean_after_killed(out_dir: Path, names: re.Pattern[str]) -> None:
+    """What a killed merge or split left in its output dir: its surviving pool workers
+    first (they may still write to its temp file), then its temp files."""
+    _stop_orphan_workers(out_dir / WORKERS_DIR)
+    _remove_dead_temps(out_dir, names)
 
 
 def _map(pool: ProcessPoolExecutor | None, fn: Any, tasks: list) -> list:
@@ -994,8 +1226,12 @@ def _write_records(
     kept: _Kept,
     order: np.ndarray,
     parts: int,
+    final: Path | None = None,
 ) -> int:
-    """Write kept records in ``order`` as ``parts`` slices at known offsets, then fsync."""
+    """Write kept records in ``order`` as ``parts`` slices at known offsets, then fsync.
+
+    ``final``: the name ``out_path`` (a temp file) becomes, for a full disk's message.
+    """
     items: list[_Item] = [
         (
             kept.file[k],
@@ -1019,31 +1255,75 @@ def _write_records(
         for a, b in zip(bounds, bounds[1:], strict=False)
         if b > a
     ]
-    with open(out_path, "wb") as f:
-        f.truncate(total)
-    written = sum(_map(pool, _write_task, tasks))
-    if written != total:
-        raise InputError(f"wrote {written} bytes to {out_path}, planned {total}; inputs changed?")
-    fd = os.open(out_path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with _disk_full_is_an_error(final or out_path, total):
+        with open(out_path, "wb") as f:
+            f.truncate(total)
+        # A worker's OSError comes back here with its errno (it is pickled whole).
+        written = sum(_map(pool, _write_task, tasks))
+        if written != total:
+            raise InputError(
+                f"wrote {written} bytes to {out_path}, planned {total}; inputs changed?"
+            )
+        fd = os.open(out_path, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # NFS and quotas may report a full disk only here
+        finally:
+            os.close(fd)
     return total
+
+
+#: errnos of a full filesystem: out of space, over the user's quota.
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+@contextlib.contextmanager
+def _disk_full_is_an_error(path: Path, planned: int) -> Iterator[None]:
+    """Turn a full disk while writing ``path`` into a :class:`DiskFullError` that says so.
+
+    Why: it is the user's to fix (free space, another output_root), not a bug, and the
+    traceback named only a worker's pwrite.  The caller removes the temp file.
+    """
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in _DISK_FULL:
+            raise
+        try:
+            free = human(shutil.disk_usage(Path(path).parent).free)
+        except OSError:
+            free = "unknown"
+        what = "disk quota exceeded" if exc.errno == errno.EDQUOT else "no space left on device"
+        raise DiskFullError(
+            f"{what} while writing {path} ({human(planned)} to write, {free} free on its "
+            "filesystem; nothing of it was kept): free space there or set output_root to a "
+            "larger filesystem, then rerun"
+        ) from None
 
 
 def _tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write a small file under a temp name, fsync, rename: never a partial final file."""
+def _write_tmp(path: Path, data: bytes) -> Path:
+    """``data`` under ``path``'s temp name, fsync'ed; the temp name, for the caller to
+    rename into place.  Nothing is left on failure (a full disk: :class:`DiskFullError`)."""
     tmp = _tmp_name(path)
     try:
-        with open(tmp, "wb") as f:
+        with _disk_full_is_an_error(path, len(data)), open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+    return tmp
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write a small file under a temp name, fsync, rename: never a partial final file."""
+    tmp = _write_tmp(path, data)
+    try:
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -1120,7 +1400,10 @@ def merge_and_shuffle(
     Writes ``train.jsonl``, ``stats.json`` and ``rejects.jsonl`` in ``out_dir`` and returns
     the stats.  ``inputs`` holds paths and globs, expanded here (sorted).  When more than
     ``max_reject_fraction`` of the records are malformed it writes stats and rejects (also
-    to :data:`FAILED_REJECTS`), not train.jsonl, and raises RejectFractionError.
+    to :data:`FAILED_REJECTS`), not train.jsonl, and raises RejectFractionError.  The three
+    outputs are renamed into place only once all are written: a full disk raises
+    :class:`DiskFullError` and leaves none of them new, and no temp file.  What a merge
+    killed earlier left here (its temp files, pool workers that outlived it) goes first.
     ``workers`` defaults to the CPU count.
     """
     if overlength not in OVERLENGTH_POLICIES:
@@ -1130,6 +1413,9 @@ def merge_and_shuffle(
     files = resolve_inputs(inputs)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # A merge killed mid-write (SIGKILL: no finally ran) left a full-size temp file and
+    # maybe pool workers: they go before this merge writes anything.
+    _clean_after_killed(out_dir, _MERGE_OUTPUTS)
     limits = _Limits(vocab_size or INT32_BOUND, max_seq_len, overlength)
     workers = workers or min(os.cpu_count() or 1, 8)
     read = input_identity(files)
@@ -1142,7 +1428,7 @@ def merge_and_shuffle(
         "vocab_size": vocab_size,
         "max_reject_fraction": max_reject_fraction,
     }
-    with _pool(workers, sum(r["bytes"] for r in read)) as pool:
+    with _pool(workers, sum(r["bytes"] for r in read), out_dir / WORKERS_DIR) as pool:
         col = _Collector(files, limits)
         scans = _map_lazy(pool, _scan_task, tasks)
         # Queued behind the scans: each input's sha256, for `hsextract verify`.  The
@@ -1154,20 +1440,27 @@ def merge_and_shuffle(
             rec["sha256"] = digest
         stats = _stats(read, col, params)
         rejects = b"".join(orjson.dumps(r) + b"\n" for r in col.rejects)
-        _write_atomic(out_dir / "rejects.jsonl", rejects)
         _check_fraction(stats, out_dir, len(files), col.rejects, rejects)
         # A permutation of canonical (file, line) order: a function of seed and kept set.
         order = np.random.Generator(np.random.PCG64(seed)).permutation(len(col.kept.file))
-        tmp = _tmp_name(out_dir / "train.jsonl")
+        train = out_dir / "train.jsonl"
+        # All three outputs are written under temp names and renamed only once all are
+        # complete: a full disk (or any failure) midway leaves none of them half-new.
+        tmps = {train: _tmp_name(train)}
         try:
-            stats["bytes_out"] = _write_records(pool, tmp, files, col.kept, order, workers)
+            stats["bytes_out"] = _write_records(
+                pool, tmps[train], files, col.kept, order, workers, final=train
+            )
             if input_changes(read):
                 raise InputError("input files changed during the merge; rerun it")
-            os.replace(tmp, out_dir / "train.jsonl")
+            tmps[out_dir / "rejects.jsonl"] = _write_tmp(out_dir / "rejects.jsonl", rejects)
+            tmps[out_dir / "stats.json"] = _write_tmp(out_dir / "stats.json", _dump_json(stats))
+            for final, tmp in tmps.items():
+                os.replace(tmp, final)
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-    _write_atomic(out_dir / "stats.json", _dump_json(stats))
+            for tmp in tmps.values():
+                with contextlib.suppress(FileNotFoundError):
+                    tmp.unlink()
     # A failed merge's rejects are of inputs that have since been fixed.
     (out_dir / FAILED_REJECTS).unlink(missing_ok=True)
     return stats
@@ -1199,10 +1492,12 @@ def _check_fraction(
     names: Snakemake deletes a failed job's outputs, rejects.jsonl with them.
     """
     if stats["records_in"] == 0:
+        _write_atomic(out_dir / "rejects.jsonl", rejects_bytes)
         _write_atomic(out_dir / "stats.json", _dump_json(stats))
         raise InputError(f"no records in {n_files} input file(s) (config key: inputs)")
     bound = stats["params"]["max_reject_fraction"]
     if stats["reject_fraction"] > bound:
+        _write_atomic(out_dir / "rejects.jsonl", rejects_bytes)
         _write_atomic(out_dir / "stats.json", _dump_json(stats))
         _write_atomic(out_dir / FAILED_REJECTS, rejects_bytes)
         reasons = ", ".join(f"{k}: {v}" for k, v in stats["rejected_by_reason"].items())
@@ -1289,7 +1584,12 @@ def split_chunks(
     limits = _Limits(INT32_BOUND, None, "truncate")
     ranges = _plan_ranges(merged, RANGE_BYTES)
     tasks = [(str(merged), a, b, limits) for a, b in ranges]
-    with _pool(workers or min(os.cpu_count() or 1, 8), merged.stat().st_size) as pool:
+    home = Path(index_out).parent  # chunks/: the pool registers there
+    home.mkdir(parents=True, exist_ok=True)
+    for d in {home, *(p.parent for p in outputs)}:
+        _clean_after_killed(d, _SPLIT_OUTPUTS)
+    workers = workers or min(os.cpu_count() or 1, 8)
+    with _pool(workers, merged.stat().st_size, home / WORKERS_DIR) as pool:
         results = _map(pool, _scan_task, tasks)
         base = 0
         for res in results:

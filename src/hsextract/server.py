@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hsextract.config import AnyConfig, typed
+from hsextract.config_types import Config
 from hsextract.dp import dp_size, expected_workers, lost_workers
 from hsextract.errors import HsextractError
 
@@ -742,11 +742,10 @@ def prepare_dump_dir(path: Path, owner: str | None = None) -> Path:
     return path
 
 
-def build_spec(cfg: AnyConfig, *, run_dir: Path, log_path: Path) -> ServerSpec:
+def build_spec(cfg: Config, *, run_dir: Path, log_path: Path) -> ServerSpec:
     """The launch spec for the configured engine, from the config alone."""
     from hsextract.config import dump_dir, fingerprint, launch_settings, server_aux_layers
 
-    cfg = typed(cfg)
     server = cfg.server
     port_auto = server.port == 0
     max_port = SGLANG_MAX_PORT if cfg.engine == "sglang" else 65535
@@ -807,38 +806,44 @@ def build_spec(cfg: AnyConfig, *, run_dir: Path, log_path: Path) -> ServerSpec:
 
 
 def remove_dump_dir_if_empty(path: Path) -> bool:
-    """Drop our dump dir when no piece and no live reservation is left: /dev/shm is RAM.
+    """Drop our dump dir once nothing in it can still be used: /dev/shm is RAM.
 
-    Called once the server is stopped, so its tombstones (``.abandoned``) have done their
-    job; the budget ledger (``.budget``) and the sending turns (``.turns``) go when no live
-    job holds a reservation or a turn.
+    Called once this host's server is stopped (the workflow's end, ``hsextract server
+    stop``), so its tombstones (``.abandoned``) have done their job.  What a SIGKILLed chunk
+    job left goes too: its request dirs and their pieces, its reservation in the ledger
+    (``.budget``) and the sending turns (``.turns``) -- but only when no live job holds a
+    turn or a reservation.  A job reserves before it sends a request and releases once the
+    request's pieces are read, so then no piece is anyone's, and the ledger's lock, held
+    while they go, keeps a job from starting a request meanwhile.  Only names the capture
+    protocol writes are removed (``stale.clear_protocol_files``), and request dirs only
+    under our marker (a dir without it was never a server's): a file of someone else's is
+    kept, and so is the dir with it.
     """
-    import shutil
-
+    from hsextract import stale
     from hsextract.budget import LEDGER_DIR, TURNS_DIR, SendingTurn, SharedByteBudget
-    from hsextract.capture import ABANDONED_DIR
     from hsextract.config import RUN_MARKER
 
     path = Path(path)
     if path.is_symlink() or not path.is_dir() or path.stat().st_uid != os.getuid():
         return False
-    if {p.name for p in path.iterdir()} - {RUN_MARKER, ABANDONED_DIR, LEDGER_DIR, TURNS_DIR}:
+    names = {p.name for p in path.iterdir()}
+    if RUN_MARKER not in names and names - {stale.ABANDONED_DIR, LEDGER_DIR, TURNS_DIR}:
         return False
     if SendingTurn.held(path):
         return False
-    if (path / LEDGER_DIR).is_dir():
-        ledger = SharedByteBudget(path, 0)
-        try:
-            if ledger.reserved():
+    ledger = SharedByteBudget(path, 0)
+    try:
+        with ledger.unused() as unused:
+            if not unused:
                 return False
-        finally:
-            ledger.close()
-    for sub in (ABANDONED_DIR, LEDGER_DIR, TURNS_DIR):
-        if (path / sub).is_dir() and not (path / sub).is_symlink():
-            shutil.rmtree(path / sub, ignore_errors=True)
+            foreign = stale.clear_protocol_files(path)
+    finally:
+        ledger.close()
+    if foreign:
+        return False
     (path / RUN_MARKER).unlink(missing_ok=True)
     try:
         path.rmdir()
     except OSError:
-        return False
+        return False  # a marker's temp file: a server of this run starting now
     return True

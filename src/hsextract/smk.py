@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hsextract.errors import HsextractError
+from hsextract.interrupt import INTERRUPTED_EXIT, interrupted_message
 
 
 def run_step(snakemake: Any, step: Callable[[Any], None]) -> None:
@@ -16,7 +17,9 @@ def run_step(snakemake: Any, step: Callable[[Any], None]) -> None:
 
     An :class:`HsextractError` ends the job with its message (the user's next action), any
     other exception with a traceback; both land in the log, which the profile's
-    ``show-failed-logs`` prints on failure.
+    ``show-failed-logs`` prints on failure.  A Ctrl-C (Snakemake's whole process group
+    gets it) ends the job with one line naming what it left unfinished, exit status 130:
+    a traceback through whatever the step was waiting on says nothing the user can act on.
     """
     log_path = snakemake.log[0] if snakemake.log else None
     stream = open(log_path, "a", buffering=1) if log_path else sys.stderr  # noqa: SIM115
@@ -33,8 +36,24 @@ def run_step(snakemake: Any, step: Callable[[Any], None]) -> None:
         print(f"ERROR [{snakemake.rule}]: {exc}", flush=True)
         sys.__stderr__.write(f"hsextract [{snakemake.rule}]: {exc}\n")
         sys.exit(1)
+    except KeyboardInterrupt:
+        msg = interrupted_message(_job_name(snakemake))
+        print(msg, flush=True)
+        sys.__stderr__.write(f"hsextract [{snakemake.rule}]: {msg}\n")
+        sys.exit(INTERRUPTED_EXIT)
     except Exception:
         traceback.print_exc()
         raise
     finally:
         stream.flush()
+
+
+def _job_name(snakemake: Any) -> str:
+    """The job as the user knows it: ``chunk 00002`` for a chunk job, else the rule and
+    its wildcards (``extract_chunk`` has the one wildcard ``chunk``)."""
+    wc = getattr(snakemake, "wildcards", None)
+    wildcards = dict(wc.items()) if hasattr(wc, "items") else {}  # a Namedlist, or a dict
+    if set(wildcards) == {"chunk"}:
+        return f"chunk {wildcards['chunk']}"
+    named = ", ".join(f"{k}={v}" for k, v in wildcards.items())
+    return f"{snakemake.rule} ({named})" if named else str(snakemake.rule)

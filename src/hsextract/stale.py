@@ -328,6 +328,16 @@ def clear_requests(dump: Path) -> None:
     )
 
 
+def clear_protocol_files(dump: Path) -> list[dict[str, Any]]:
+    """Remove everything the capture protocol wrote in a dump dir but the marker (request
+    dirs and their pieces, tombstones, ledger, turns); return what was kept as someone
+    else's (see :func:`_sort_dump`).  The caller has made sure nothing live uses them:
+    ``server.remove_dump_dir_if_empty`` holds the ledger's lock with no live reservation."""
+    files, dirs, foreign, _ = _sort_dump(dump)
+    _unlink(files, dirs)
+    return foreign
+
+
 def _unlink(files: list[str], dirs: list[str]) -> None:
     for f in files:
         with contextlib.suppress(FileNotFoundError):

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hsextract.config import AnyConfig, Config
+from hsextract.config import Config, chunk_count
 from hsextract.server import read_json
 
 log = logging.getLogger("hsextract")
@@ -219,13 +219,12 @@ class Status:
 
 
 def collect(
-    cfg: AnyConfig, *, window_s: float = DEFAULT_WINDOW_S, probe_timeout_s: float = 2.0
+    cfg: Config, *, window_s: float = DEFAULT_WINDOW_S, probe_timeout_s: float = 2.0
 ) -> Status:
     """The status of the config's run dir (which need not exist yet)."""
-    from hsextract.config import fingerprint, run_dir, typed
+    from hsextract.config import fingerprint, run_dir
     from hsextract.plan import chunk_states
 
-    cfg = typed(cfg)
     rd = run_dir(cfg)
     fp = fingerprint(cfg)
     now = time.time()
@@ -249,7 +248,8 @@ def collect(
                 intervals.append((*span, tokens_of[state.chunk]))
     else:
         tokens_total = None
-        names = [f"chunk_{i:05d}" for i in range(cfg.n_chunks)]
+        # Read only: an auto count not yet cached is counted, not written.
+        names = [f"chunk_{i:05d}" for i in range(chunk_count(cfg, write_cache=False))]
     in_flight = _in_flight(hidden, set(names) - done)
     for f in in_flight:
         tokens_done += f.tokens_done

@@ -243,11 +243,11 @@ def _as_dict(result: Any) -> dict:
     return {k: str(v) if isinstance(v, Path) else v for k, v in out.items()}
 
 
-def _installed_sglang_root(cfg: Config | dict) -> Path:
+def _installed_sglang_root(cfg: Config) -> Path:
     """The sglang package dir of the env named in config (never ours: it is the user's)."""
     from hsextract.sglang.launch import installed_root
 
-    return installed_root(typed(cfg).sglang.python)
+    return installed_root(cfg.sglang.python)
 
 
 def gpu_gate(sm: Any) -> None:
@@ -324,7 +324,7 @@ def _export_api_key(cfg: Config) -> None:
         os.environ["HSEXTRACT_API_KEY"] = cfg.server.api_key
 
 
-def ensure_server(cfg: Config | dict, *, wait: bool = True) -> dict:
+def ensure_server(cfg: Config, *, wait: bool = True) -> dict:
     """This host's live server for the config's run and settings, started if need be.
 
     With ``wait`` (chunk jobs), once it is healthy, waiting for one still loading; without
@@ -332,7 +332,6 @@ def ensure_server(cfg: Config | dict, *, wait: bool = True) -> dict:
     """
     from hsextract import server
 
-    cfg = typed(cfg)
     rd = run_dir(cfg)
     _export_api_key(cfg)
     spec = server.build_spec(cfg, run_dir=rd, log_path=_server_log(rd))

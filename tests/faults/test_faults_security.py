@@ -43,7 +43,7 @@ def test_non_loopback_host_needs_allow_remote_and_an_api_key(tmp_path):
 
     refused = plan(host="0.0.0.0")
     assert refused.returncode != 0
-    assert "server.host='0.0.0.0' is not loopback; set server.allow_remote: true" in (
+    assert "server.host='0.0.0.0' is not loopback (it resolves to 0.0.0.0); set server." in (
         refused.stdout + refused.stderr
     )
     no_key = plan(host="0.0.0.0", allow_remote=True)
@@ -59,8 +59,8 @@ import json, os, sys, requests
 from pathlib import Path
 from hsextract import server
 from hsextract.client import Client, ExtractionError, model_geometry
-from hsextract.config import load_config
-cfg = load_config("config.yaml")
+from hsextract.config import read_config
+cfg = read_config("config.yaml")
 recorded = json.loads(Path(sys.argv[1]).read_text())
 spec = server.ServerSpec(**recorded["spec"])
 state = server.start(spec, owner=os.getpid())
@@ -72,7 +72,7 @@ try:
     client = Client(cfg, model_geometry(cfg), lambda: state)
     ids, hidden, aux = client.extract("probe-key", "r0", [5, 6, 7, 8])
     out["with_key"] = [ids.tolist(), list(hidden.shape)]
-    cfg["server"]["api_key"] = "wrong"
+    cfg = read_config("config.yaml", {"server.api_key": "wrong"})
     try:
         Client(cfg, model_geometry(cfg), lambda: state).extract("probe-bad", "r1", [5, 6])
     except ExtractionError as exc:

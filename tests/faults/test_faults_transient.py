@@ -50,6 +50,9 @@ def test_one_off_transient_faults_are_retried_and_the_run_succeeds(run: FaultRun
 
 @fault_test
 def test_http_500_persistent_fails_after_retries_with_backoff(run: FaultRun):
+    # One sending turn: the job's window is exactly client.requests_in_flight (8), not the
+    # vacant turns' share too (client._Window), so which records were tried is exact.
+    run.set_config(**{"client.sending_jobs": 1})
     spec = run.spec(generate=[{"rid": "chunk_00001", "do": "500"}])
     out = run.fail(spec)
     present = run.assert_failed_cleanly(
@@ -70,7 +73,7 @@ def test_http_500_persistent_fails_after_retries_with_backoff(run: FaultRun):
 
 @fault_test
 def test_hung_server_times_out_and_fails_after_retries(run: FaultRun):
-    run.set_config(**{"client.request_timeout_s": 3, "client.retries": 1})
+    run.set_config(**{"client.request_timeout_s": 3, "client.retries": 1, "client.sending_jobs": 1})
     spec = run.spec(generate=[{"rid": "chunk_00001", "do": "hang"}])
     out = run.fail(spec)
     run.assert_failed_cleanly(

@@ -112,7 +112,7 @@ def test_dp_worker_killed_mid_chunk_on_live_sglang(live):  # noqa: F811 - fixtur
     """SIGKILL one DP scheduler (``sglang::scheduler_DP1``) while a chunk is in flight:
     SGLang keeps serving /health with the other; hsextract's ensure() counts the workers,
     replaces the server, and the run completes; nothing is left."""
-    from hsextract.config import dump_dir, load_config
+    from hsextract.config import dump_dir, read_config
     from hsextract.dp import SGLANG_WORKER_TITLE, _pgid_members
     from hsextract.server import live_path
 
@@ -126,7 +126,7 @@ def test_dp_worker_killed_mid_chunk_on_live_sglang(live):  # noqa: F811 - fixtur
         **{"client.request_timeout_s": 30, "client.retries": 4, "client.backoff_s": 3.0},
     )
     os.chdir(wd)
-    cfg = load_config("config.yaml")
+    cfg = read_config("config.yaml")
     rd = _run_dir(wd)
     proc = subprocess.Popen(
         [sys.executable, "-m", "snakemake", "-s", str(Path(__file__).parents[2] / "Snakefile"),

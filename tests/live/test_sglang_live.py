@@ -38,7 +38,7 @@ from livekit import (
     write_records,
 )
 
-from hsextract.config import load_config
+from hsextract.config import load_config, read_config, typed
 from hsextract.sglang import patching
 
 pytestmark = pytest.mark.sglang_live
@@ -392,7 +392,8 @@ def test_fidelity_across_chunking_batching_capture_and_architectures(live):
         cfg["prenorm_final"] = extra == "prenorm"
         cfg["server"]["chunked_prefill_size"] = cps
         cfg["dump"]["dir"] = str(wd / f"dump-{name}")
-        specs[cell] = (cfg, server.build_spec(cfg, run_dir=rd, log_path=wd / f"{name}.log"))
+        spec = server.build_spec(typed(cfg), run_dir=rd, log_path=wd / f"{name}.log")
+        specs[cell] = (cfg, spec)
 
     states, errors, started_s = _start_all({c: spec for c, (_, spec) in specs.items()})
     results: dict = {}
@@ -406,7 +407,7 @@ def test_fidelity_across_chunking_batching_capture_and_architectures(live):
             cfg["client"]["requests_in_flight"] = in_flight
             t1 = time.monotonic()
             name = "-".join(str(x) for x in cell if x != "")
-            outs = _extract_all(cfg, rd, wd / f"{name}-{in_flight}", states[cell])
+            outs = _extract_all(typed(cfg), rd, wd / f"{name}-{in_flight}", states[cell])
             seconds = round(time.monotonic() - t1, 2)
             title = (
                 f"{cell[0]}, capture {cell[2]}, chunked prefill {cell[1]}, {in_flight} in flight"
@@ -450,7 +451,7 @@ def test_real_faults_a_killed_server_and_a_busy_gpu(live):
         **{"client.retries": 4, "client.backoff_s": 3.0, "gpu.wait_s": 120},
     )
     os.chdir(wd)
-    cfg = load_config("config.yaml")
+    cfg = read_config("config.yaml")
     from hsextract.config import dump_dir
     from hsextract.server import live_path
 

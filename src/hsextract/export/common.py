@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -17,6 +17,7 @@ from hsextract.errors import HsextractError
 from hsextract.records import read_index
 
 if TYPE_CHECKING:  # chunks imports torch: the Snakefile imports this module to plan
+    from hsextract.chunkfile import ChunkHasher
     from hsextract.chunks import ChunkReader
 
 
@@ -147,6 +148,8 @@ def open_chunk(run_dir: Path, chunk: str, expect_sha256: str | None = None) -> C
     data changed and the chunk was not re-extracted) would pair new tokens with old
     states: its content digest, computed from its own tensors, must equal the index's.
     ``expect_sha256`` (the manifest's) refuses a chunk re-extracted since the manifest.
+    Its bytes are checked against its sha256 as the export reads them (:func:`start_hash`,
+    :func:`verify_source`), not here: that would read the whole file twice.
     """
     from hsextract.chunks import ChunkFileError, content_digest_of
     from hsextract.records import ChunkInputError
@@ -188,6 +191,58 @@ def open_chunk(run_dir: Path, chunk: str, expect_sha256: str | None = None) -> C
             f"from it: {redo}"
         )
     return CheckedChunk(chunk, hidden, sidecar, source_sha, digest, reader, indices)
+
+
+def start_hash(src: CheckedChunk) -> ChunkHasher:
+    """The chunk file's sha256, taken while the export reads it (:class:`ChunkHasher`):
+    :func:`open_chunk` checks what is cheap, this the bytes, with no second read."""
+    from hsextract.chunkfile import ChunkHasher
+
+    return ChunkHasher(src.path, src.sha256)
+
+
+def verify_source(
+    src: CheckedChunk, hasher: ChunkHasher, made: Sequence[Path], ledger: Sequence[Path] = ()
+) -> None:
+    """Refuse what was exported from a chunk whose bytes are not its sidecar's sha256.
+
+    Called before the export commits (its marker), with every file it holds of the
+    chunk's records (``made``) and its own records of them (``ledger``: a rerun must keep
+    none): on a mismatch all are removed (states of damaged bytes; a trainer reads every
+    file of the directory) and the export fails naming the chunk file, the two digests
+    and what to do.  The chunk file itself is never touched.
+    """
+    from hsextract.chunkfile import ChunkFileError
+
+    try:
+        hasher.check()
+    except ChunkFileError as exc:
+        for path in [*made, *ledger]:
+            path.unlink(missing_ok=True)
+        raise ExportError(
+            f"{src.name}: {exc}, then export again (the {len(made)} file(s) exported from "
+            "it were removed)"
+        ) from None
+
+
+def read_record(
+    src: CheckedChunk,
+    hasher: ChunkHasher,
+    j: int,
+    made: Callable[[], Sequence[Path]],
+    ledger: Sequence[Path] = (),
+) -> dict:
+    """Record ``j`` of the chunk; one that does not decode (a damaged compressed frame)
+    is blamed on the bytes when their hash says so (:func:`verify_source`), since that
+    names the cause and the fix; otherwise the decoder's error, with what to do.
+    ``made`` lists the files written so far, called only then (not once per record)."""
+    from hsextract.chunkfile import ChunkFileError, redo_chunk
+
+    try:
+        return src.reader[j]
+    except ChunkFileError as exc:
+        verify_source(src, hasher, made(), ledger)
+        raise ExportError(f"{src.name}: {exc}; {redo_chunk(src.path)}") from None
 
 
 def check_chunks(

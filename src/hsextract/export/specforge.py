@@ -52,6 +52,9 @@ from hsextract.export.common import (
     claim_dir,
     open_chunk,
     read_json,
+    read_record,
+    start_hash,
+    verify_source,
 )
 
 log = logging.getLogger("hsextract")
@@ -169,6 +172,13 @@ def _prior_entries(marker: Path, journal: Path) -> dict[int, dict]:
     return entries
 
 
+def _marker_source(marker: Path) -> str | None:
+    """The sha256 of the chunk bytes a finished export of the chunk was written from."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
+        return str(json.loads(marker.read_text())["source"]["sha256"])
+    return None
+
+
 def _still_written(path: Path, entry: dict) -> int | None:
     """The file is the one the entry recorded: same size, and same mtime or same sha256
     (a copied or touched file is re-hashed, a truncated one never passes).  Returns its
@@ -282,10 +292,17 @@ def export_chunk(
     busy = f"{out}: another export of {chunk} is running; wait for it"
     files: list[dict] = []
     written = kept = 0
+    hasher = None  # started at the first record read: a rerun that keeps all reads none
+    ledger = (journal, marker_path)  # removed with the files on a mismatch
     with (
         _lock(out / "journal" / ".export.lock", True, f"{out}: an export cleanup is running"),
         _lock(journal.with_suffix(".lock"), False, busy),
+        contextlib.ExitStack() as hashing,
     ):
+        # A marker is written only once the chunk's bytes were checked: one naming these
+        # bytes (their sha256) vouches for the files a rerun keeps, when it reads none;
+        # journal lines alone may be a killed pass's, written before the check.
+        vouched = _marker_source(marker_path) == source_sha
         prior = _prior_entries(marker_path, journal)
         removed = _remove_stale_temps(out, set(idxs))
         if removed:
@@ -304,7 +321,11 @@ def export_chunk(
                     kept += 1
                     e = {**e, "mtime_ns": mtime_ns}
                 else:
-                    rec = reader[j]
+                    if hasher is None:
+                        hasher = hashing.enter_context(start_hash(src))
+                    rec = read_record(
+                        src, hasher, j, lambda: [out / f["path"] for f in files], ledger
+                    )
                     tensors = _tensors(rec)
                     nbytes, mtime_ns, sha = _write_file(path, tensors, gzip, chunk)
                     e = {
@@ -324,6 +345,11 @@ def export_chunk(
                 files.append(e)
                 if progress is not None:
                     progress(1)
+        if hasher is None and not vouched:
+            hasher = hashing.enter_context(start_hash(src))
+        if hasher is not None:
+            # On a mismatch nothing of this pass may be kept by the next: the ledger goes.
+            verify_source(src, hasher, [out / f["path"] for f in files], ledger)
         marker = {
             "format": FORMAT,
             "chunk": chunk,
@@ -559,9 +585,9 @@ def _cli(args: argparse.Namespace) -> int:
 
 
 def step_settings(sm: Any) -> None:
-    from hsextract.config import fingerprint, run_dir
+    from hsextract.config import fingerprint, run_dir, typed
 
-    cfg = sm.config
+    cfg = typed(sm.config)
     prepare(Path(sm.output.settings).parent, run_dir(cfg), fingerprint(cfg), sm.params.gzip)
 
 

@@ -45,6 +45,9 @@ from hsextract.export.common import (
     claim_dir,
     open_chunk,
     read_json,
+    read_record,
+    start_hash,
+    verify_source,
 )
 
 DATASET_FILES = ("dataset_info.json", "state.json")
@@ -141,9 +144,6 @@ def _require_prenorm(src: CheckedChunk) -> None:
 
 
 def _write_chunk(src: CheckedChunk, run_dir: Path, out: Path, marker: Path) -> dict:
-    from safetensors.torch import save_file
-
-    from hsextract.chunks import sha256_file
     from hsextract.server import write_json
 
     claim_dir(out, FORMAT, str(src.sidecar.get("fingerprint")), run_dir, READS)
@@ -153,28 +153,15 @@ def _write_chunk(src: CheckedChunk, run_dir: Path, out: Path, marker: Path) -> d
     hs_dir = out / "hidden_states"
     hs_dir.mkdir(parents=True, exist_ok=True)
     h, k = reader.hidden_size, len(reader.aux_layers)
-    files = []
-    for j, idx in enumerate(src.indices):
-        rec = reader[j]
-        t = rec["input_ids"].shape[0]
-        layers = rec["aux_hidden_states"].reshape(t, k, h)
-        states = torch.cat([layers, rec["prenorm_hidden_states"].reshape(t, 1, h)], dim=1)
-        path = hs_path(out, idx)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tensors = {"token_ids": rec["input_ids"].to(torch.int64), "hidden_states": states}
-        try:
-            save_file(
-                {key: v.contiguous() for key, v in tensors.items()},
-                str(tmp),
-                # One key: safetensors writes a metadata map in hash order, which differs
-                # per process, and a rerun must give the same bytes.
-                metadata={"hsextract": json.dumps({"record_id": str(rec["id"]), "chunk": name})},
-            )
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        files.append({"idx": idx, "id": rec["id"], "sha256": sha256_file(path)})
+    files: list[dict] = []
+    # The files are rewritten: the old marker no longer describes them.  The new one is
+    # written only once the chunk's bytes, hashed as they were read, are its sidecar's.
+    marker.unlink(missing_ok=True)
+    with start_hash(src) as hasher:
+        for j, idx in enumerate(src.indices):
+            rec = read_record(src, hasher, j, lambda: [hs_path(out, f["idx"]) for f in files])
+            files.append(_write_record(rec, src.name, idx, out, h, k))
+        verify_source(src, hasher, [hs_path(out, f["idx"]) for f in files])
     done = {
         "chunk": name,
         "source_sha256": src.sha256,
@@ -183,6 +170,33 @@ def _write_chunk(src: CheckedChunk, run_dir: Path, out: Path, marker: Path) -> d
     }
     write_json(marker, done)
     return done
+
+
+def _write_record(rec: dict, chunk: str, idx: int, out: Path, h: int, k: int) -> dict:
+    """``hs_{idx}.safetensors`` of a record (temp name, then rename); its marker entry."""
+    from safetensors.torch import save_file
+
+    from hsextract.chunks import sha256_file
+
+    t = rec["input_ids"].shape[0]
+    layers = rec["aux_hidden_states"].reshape(t, k, h)
+    states = torch.cat([layers, rec["prenorm_hidden_states"].reshape(t, 1, h)], dim=1)
+    path = hs_path(out, idx)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tensors = {"token_ids": rec["input_ids"].to(torch.int64), "hidden_states": states}
+    try:
+        save_file(
+            {key: v.contiguous() for key, v in tensors.items()},
+            str(tmp),
+            # One key: safetensors writes a metadata map in hash order, which differs
+            # per process, and a rerun must give the same bytes.
+            metadata={"hsextract": json.dumps({"record_id": str(rec["id"]), "chunk": chunk})},
+        )
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return {"idx": idx, "id": rec["id"], "sha256": sha256_file(path)}
 
 
 def default_out(run_dir: str | os.PathLike[str]) -> Path:
@@ -307,10 +321,10 @@ def _cli(args: argparse.Namespace) -> int:
 
 
 def step_dataset(sm: Any) -> None:
-    from hsextract.config import fingerprint
+    from hsextract.config import fingerprint, typed
 
     out = Path(sm.output.done).parent.parent
-    export_dataset(Path(sm.input.train), out, Path(sm.output.done), fingerprint(sm.config))
+    export_dataset(Path(sm.input.train), out, Path(sm.output.done), fingerprint(typed(sm.config)))
 
 
 def step_chunk(sm: Any) -> None:

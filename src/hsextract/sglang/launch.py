@@ -28,13 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from hsextract.config import (
-    AnyConfig,
     Config,
-    as_raw,
     captured_layers,
     is_loopback,
     read_model_config,
-    typed,
 )
 from hsextract.config_types import SglangConfig
 from hsextract.convention import prenorm_layer
@@ -175,12 +172,11 @@ def installed_root(python: str) -> Path:
 _INFERRED: dict[tuple[str, str], SglangVersion] = {}
 
 
-def release(cfg: AnyConfig) -> SglangVersion:
+def release(cfg: Config) -> SglangVersion:
     """The declaration of the configured env's SGLang release (``sglang.version`` or the
     installed one).  An undeclared release runs ``capture: hooks`` when its installed
     source matches a known design (``compat.infer``, read once per run); otherwise it is
     refused, naming the supported releases (or the nearest one and what differs)."""
-    cfg = typed(cfg)
     sg = cfg.sglang
     version = sg.version or installed_version(sg.python)
     try:
@@ -208,9 +204,8 @@ def release(cfg: AnyConfig) -> SglangVersion:
     return _INFERRED[key]
 
 
-def context_length(cfg: AnyConfig, headroom: int = CONTEXT_HEADROOM) -> int:
+def context_length(cfg: Config, headroom: int = CONTEXT_HEADROOM) -> int:
     """The ``--context-length`` that admits every record of ``max_seq_len`` tokens."""
-    cfg = typed(cfg)
     configured = cfg.sglang.context_length
     return int(configured) if configured is not None else cfg.max_seq_len + headroom
 
@@ -226,12 +221,11 @@ def _matches(token: str, flag: str) -> bool:
     return name == flag or (len(name) > 3 and flag.startswith(name))
 
 
-def validate_sglang_config(cfg: AnyConfig, rel: SglangVersion | None = None) -> None:
+def validate_sglang_config(cfg: Config, rel: SglangVersion | None = None) -> None:
     """Raise ConfigError naming the reason when the config would leave extraction mode.
 
     The ``sglang:`` section is checked as written (unknown keys, types), the rest typed."""
-    c = typed(cfg)
-    sg = sglang_section(as_raw(cfg))
+    sg = sglang_section(cfg.raw)
     unknown = sorted(set(sg) - set(SGLANG_DEFAULTS))
     if unknown:
         # e.g. a hopeful `disable_radix_cache: false`: settings go through known keys only.
@@ -244,7 +238,7 @@ def validate_sglang_config(cfg: AnyConfig, rel: SglangVersion | None = None) -> 
     dp = sg["dp_size"]
     if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
         raise ConfigError(f"sglang.dp_size must be an integer >= 1, got {dp!r}")
-    dtype = c.model.dtype
+    dtype = cfg.model.dtype
     if dtype not in SGLANG_DTYPES:
         raise ConfigError(f"model.dtype {dtype!r} is not an SGLang dtype {SGLANG_DTYPES}")
     why = dict(rel.unserved_dtypes).get(dtype) if rel else None
@@ -255,16 +249,16 @@ def validate_sglang_config(cfg: AnyConfig, rel: SglangVersion | None = None) -> 
             "float32 states"
         )
     headroom = rel.context_headroom if rel else CONTEXT_HEADROOM
-    max_seq_len = c.max_seq_len
-    ctx = context_length(c, headroom)
+    max_seq_len = cfg.max_seq_len
+    ctx = context_length(cfg, headroom)
     if ctx < max_seq_len + headroom:
         raise ConfigError(
             f"sglang.context_length {ctx} is too short for max_seq_len {max_seq_len}: SGLang "
             f"{rel.version if rel else ''} refuses inputs of >= context_length - "
             f"{headroom - 1} tokens; use >= {max_seq_len + headroom} or null"
         )
-    host = c.server.host
-    if not is_loopback(host) and not (c.server.allow_remote and c.server.api_key):
+    host = cfg.server.host
+    if not is_loopback(host) and not (cfg.server.allow_remote and cfg.server.api_key):
         raise ConfigError(
             f"server.host={host!r} is not loopback: needs server.allow_remote: true "
             "and server.api_key"
@@ -297,9 +291,9 @@ def validate_sglang_config(cfg: AnyConfig, rel: SglangVersion | None = None) -> 
             "extra_env; README, Data-parallel replicas)"
         )
     if rel is not None:
-        _check_deterministic_alignment(c.sglang, c.server.chunked_prefill_size, rel)
-    if c.capture == "hooks" and rel is not None and rel.hooks == "aux_capture":
-        layers = c.aux_layers
+        _check_deterministic_alignment(cfg.sglang, cfg.server.chunked_prefill_size, rel)
+    if cfg.capture == "hooks" and rel is not None and rel.hooks == "aux_capture":
+        layers = cfg.aux_layers
         if layers and layers[0] == 1:
             # set_eagle3_layers_to_capture adds 1 to every id when the list starts with 1.
             raise ConfigError(
@@ -368,13 +362,12 @@ def _src_dir() -> str:
 
 
 def build_launch(
-    cfg: AnyConfig, *, dump_dir: str, port: int, rel: SglangVersion | None = None
+    cfg: Config, *, dump_dir: str, port: int, rel: SglangVersion | None = None
 ) -> tuple[list[str], dict[str, str]]:
     """argv and the environment variables to add, for an extraction-mode SGLang server of
     release ``rel`` (default: the configured env's, see :func:`release`)."""
     rel = rel or release(cfg)
     validate_sglang_config(cfg, rel)
-    cfg = typed(cfg)
     sg, server = cfg.sglang, cfg.server
     argv = [
         sg.python, "-m", "sglang.launch_server",
