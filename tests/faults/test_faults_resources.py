@@ -16,17 +16,23 @@ from hsextract.server import read_json
 
 @fault_test
 def test_workflow_sigkilled_mid_chunk_watchdog_stops_the_server(run: FaultRun):
-    # Hold chunk_00001 open (record 5 hangs) so the kill lands mid-chunk, server alive.
-    spec = run.spec(generate=[{"rid": "chunk_00001-000005", "nth": [1], "do": "hang"}])
+    # Hold chunk_00001 open so the kill lands mid-chunk, server alive: the server stops
+    # after its first pass over chunk_00001's requests, on a gate never opened.  That pass
+    # wrote their first pieces, and no request of it can finish (a request is answered, and
+    # its pieces read, after its last pass), so the pieces stay until the kill -- an event,
+    # where a hung request plus "some other record's pieces seen in time" was a race that
+    # the wider window of a job alone (client._Window: every record in flight) lost in CI.
+    held = {"rid": "chunk_00001", "nth": [1], "do": "wait", "gate": str(run.tmp / "never")}
+    spec = run.spec(extend=[held])
     proc = run.popen("-j1", "extract_all", faults=spec)
     dump = run.workdir / "shm" / "dump"
     try:
-        # Kill once record 5 hangs and another record's pieces wait in the dump dir (a
-        # record's pieces are read when its last pass is done), so the rerun has both a
+        # Kill once the server is held with pieces in the dump dir, so the rerun has both a
         # temp file and stale pieces to clear.
         deadline = time.monotonic() + 120
         while proc.poll() is None and time.monotonic() < deadline:
-            if run.fault_log() and any(dump.glob("chunk_00001-*")):
+            waiting = any(e.get("fault") == "wait" for e in run.fault_log())
+            if waiting and any(dump.glob("chunk_00001-*")):
                 break
             time.sleep(0.01)
         assert proc.poll() is None and run.fault_log(), "the run never reached the fault"
