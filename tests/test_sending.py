@@ -45,8 +45,11 @@ def test_window_takes_the_vacant_turns_share_and_gives_it_back(tmp_path):
     over the limit waits for one of its own to finish."""
     mine = SendingTurn(tmp_path, 4)
     mine.acquire()
-    window = _Window(mine, 2, probe_s=0.0)
+    window = _Window(mine, 2, cap=64, probe_s=0.0)
     assert window.most == 8
+    # Never past what the server runs at once (server.max_running_requests), nor below
+    # the job's own share.
+    assert _Window(mine, 2, cap=5).most == 5 and _Window(mine, 2, cap=1).most == 2
     assert window.limit() == 8
     others = [SendingTurn(tmp_path, 4) for _ in range(3)]
     others[0].acquire()

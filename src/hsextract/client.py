@@ -591,7 +591,7 @@ def _extract_chunk(
     from hsextract.budget import SendingTurn, SharedByteBudget
     from hsextract.chunks import ChunkWriter, check_chunk
     from hsextract.config import fingerprint, storage_codec
-    from hsextract.dp import budget_keys, requests_in_flight, shm_budget_bytes
+    from hsextract.dp import budget_keys, dp_size, requests_in_flight, shm_budget_bytes
     from hsextract.records import Record, index_entry, load_chunk, records_digest
 
     name = Path(chunk_path).stem
@@ -674,7 +674,11 @@ def _extract_chunk(
     turn = SendingTurn(client.dump_dir, cfg.client.sending_jobs)
     # The server's window (requests_in_flight per turn) is shared by the jobs holding a
     # turn: a turn no job holds -- none was ready when it was handed on -- is theirs.
-    window = _Window(turn, requests_in_flight(cfg))
+    # Never more than the server runs at once (server.max_running_requests per DP worker):
+    # past it a request only waits in SGLang's queue, its timeout running (seen in CI: the
+    # reference engine at 8 running, a job alone at 32 in flight, requests abandoned).
+    running = cfg.server.max_running_requests * dp_size(cfg)
+    window = _Window(turn, requests_in_flight(cfg), cap=running)
     started = itertools.count(1)
     first_error: list[BaseException] = []
     chunk_stats = LayerStats(layer_names(geo.aux_layers, geo.num_layers))
@@ -803,12 +807,14 @@ class _Window:
     0.94 of the bare server).  So the jobs holding a turn send for the vacant ones too:
     ``base x n / held`` each, at most ``base x n`` -- the server's window stays full while
     any job sends, and shrinks back as soon as a waiting job takes a turn (requests already
-    sent finish; no new one goes out over the limit).  Occupancy is probed at most every
+    sent finish; no new one goes out over the limit).  Never more than ``cap``, what the
+    server runs at once, unless its own share is more: past it a request only waits in
+    the server's queue, its timeout running.  Occupancy is probed at most every
     ``probe_s`` (``SendingTurn.held_count``)."""
 
-    def __init__(self, turn: Any, base: int, *, probe_s: float = 0.05) -> None:
+    def __init__(self, turn: Any, base: int, *, cap: int, probe_s: float = 0.05) -> None:
         self.turn, self.base, self.probe_s = turn, base, probe_s
-        self.most = base * turn.n
+        self.most = max(base, min(base * turn.n, cap))
         self.active = self.peak = 0
         self._limit, self._at = base, -math.inf
         self._cv = threading.Condition()
