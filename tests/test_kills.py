@@ -38,6 +38,7 @@ from fixtures_demo import (
 
 from hsextract.chunks import check_chunk, sha256_file
 from hsextract.records import merge_and_shuffle
+from hsextract.records import split_chunks as records_split
 from hsextract.status import progress_path
 
 # --------------------------------------------------------------------------- processes
@@ -172,6 +173,119 @@ def test_merge_sigkilled_mid_write_next_merge_leaves_no_tmp_and_no_workers(
         assert json.loads((out / "stats.json").read_text()) == never_failed
     finally:
         for pgid in groups:  # the merges and their workers: this test's own groups only
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for pid, start in workers.items():
+            if _alive_as(pid, start):
+                os.kill(pid, signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------- split
+
+
+#: The split in a process of its own, laid out as the workflow's (chunk files and
+#: ``split.json`` in one dir), the pool even for these few KB.  ``hold`` names what it
+#: stops at: the fsync of a chunk's or of the index's temp file (mid-write: the temp file
+#: is on disk), or the workers' first range scan (then ``pdeathsig`` false leaves them
+#: running after the kill, as where prctl is missing).
+SPLIT_CHILD = r"""
+import json, os, sys, time
+from pathlib import Path
+from hsextract import records
+cfg = json.loads(sys.argv[1])
+records.PARALLEL_MIN_BYTES = 0
+def hang():
+    Path(cfg["marks"], f"held-{os.getpid()}").touch()
+    while True:
+        time.sleep(3600)
+if cfg["hold"] in ("chunk_00002.jsonl", "split.json"):
+    real_fsync = os.fsync
+    def held_fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(f".{cfg['hold']}.tmp-{os.getpid()}"):
+            hang()
+        real_fsync(fd)
+    os.fsync = held_fsync
+elif cfg["hold"] == "scan":
+    def held_scan(task):  # by name: the pool pickles it
+        hang()
+    records._scan_task = held_scan
+if not cfg["pdeathsig"]:
+    records._die_with_parent = lambda parent: None
+d = Path(cfg["dir"])
+records.split_chunks(
+    Path(cfg["merged"]), [d / f"chunk_{i:05d}.jsonl" for i in range(4)], d / "split.json",
+    workers=2,
+)
+"""
+
+
+def _split_process(merged: Path, out: Path, marks: Path, hold: str | None, pdeathsig: bool):
+    cfg = {"merged": str(merged), "dir": str(out), "marks": str(marks), "hold": hold,
+           "pdeathsig": pdeathsig}  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-c", SPLIT_CHILD, json.dumps(cfg)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,  # its own group: the finally stops it and its workers
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("hold", "pdeathsig"),
+    [("chunk_00002.jsonl", True), ("split.json", True), ("scan", False)],
+    ids=["mid-chunk-write", "mid-index-write", "surviving-workers"],
+)
+def test_split_sigkilled_next_split_leaves_no_tmp_and_no_workers(
+    tmp_path: Path, hold: str, pdeathsig: bool
+) -> None:
+    """A split SIGKILLed while writing a chunk file, while writing its index, or while
+    its workers scan (workers that outlive it): the next split leaves no temp file and no
+    worker, and writes what a split that was never killed writes."""
+    merge_and_shuffle(
+        _shards(tmp_path / "in"), tmp_path / "merged", max_seq_len=64, overlength="truncate",
+        seed=3, vocab_size=None, max_reject_fraction=0.5, workers=1,
+    )  # fmt: skip
+    merged = tmp_path / "merged" / "train.jsonl"
+    ref, out, marks = tmp_path / "ref", tmp_path / "chunks", tmp_path / "marks"
+    marks.mkdir()
+    records_split(merged, [ref / f"chunk_{i:05d}.jsonl" for i in range(4)],
+                              ref / "split.json", workers=1)  # fmt: skip
+    groups = []
+    workers: dict[int, str] = {}
+    try:
+        killed = _split_process(merged, out, marks, hold, pdeathsig)
+        groups.append(killed.pid)
+
+        def held() -> bool:
+            assert killed.poll() is None, killed.communicate()[0][-3000:]
+            if not any(marks.iterdir()):
+                return False
+            return hold != "scan" or len(_children(killed.pid)) == 2
+
+        poll(held, f"the split held at {hold}", timeout=120)
+        workers = _children(killed.pid)
+        if hold != "scan":
+            assert (out / f".{hold}.tmp-{killed.pid}").is_file()
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(timeout=60)
+
+        rerun = _split_process(merged, out, marks, None, True)
+        groups.append(rerun.pid)
+        output = rerun.communicate(timeout=300)[0]
+        assert rerun.returncode == 0, output[-3000:]
+        left = sorted(p.name for p in out.iterdir() if p.name.startswith("."))
+        assert left == [], f"left by the killed split: {left}"
+        poll(
+            lambda: not any(_alive_as(p, s) for p, s in workers.items()),
+            f"the killed split's pool workers {sorted(workers)} to end",
+            timeout=60,
+        )
+        assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in ref.iterdir())
+        for p in ref.iterdir():
+            assert (out / p.name).read_bytes() == p.read_bytes(), p.name
+    finally:
+        for pgid in groups:  # the splits and their workers: this test's own groups only
             try:
                 os.killpg(pgid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):

@@ -67,8 +67,9 @@ INDEX_FORMAT = 2
 #: What the merge writes in its output dir (by temp name first, see :func:`_tmp_name`):
 #: the only temp files a later merge removes there.
 _MERGE_OUTPUTS = re.compile(r"train\.jsonl|stats\.json|rejects\.jsonl|" + re.escape(FAILED_REJECTS))
-#: What split_chunks writes in its chunk dir.
-_SPLIT_OUTPUTS = re.compile(r"chunk_\d{5}\.jsonl|index\.json")
+#: What split_chunks writes in its chunk dir: the chunk files and its index (the
+#: workflow's ``split.json``; ``index.json`` where it is called with that name).
+_SPLIT_OUTPUTS = re.compile(r"chunk_\d{5}\.jsonl|split\.json|index\.json")
 
 _WS = b" \t\r\n"
 _IDS_KEY = b'"input_ids"'
