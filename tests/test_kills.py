@@ -8,6 +8,9 @@ its runs, so whatever it leaves must be cleared by what runs next (issue 34, ite
 * A merge killed mid-write leaves a full-size ``merged/.train.jsonl.tmp-<pid>`` and its
   pool workers: the workers die with it (PR_SET_PDEATHSIG), and the next merge removes
   the temp file and stops any worker that survived anyway.
+* A split killed while writing a chunk file or its index, or while its workers scan,
+  leaves ``.chunk_NNNNN.jsonl.tmp-<pid>`` or ``.split.json.tmp-<pid>`` and maybe workers:
+  the next split removes and stops them as the merge does.
 
 Every wait is on an event (a file appearing, a process state) under a generous deadline;
 a test signals and cleans up only its own processes (its own process groups and the
@@ -71,6 +74,35 @@ def _children(pid: int) -> dict[int, str]:
     return found
 
 
+def _nothing_left_after_rerun(
+    rerun: subprocess.Popen, out: Path, workers: dict[int, str], what: str
+) -> None:
+    """The rerun after a kill succeeds, leaves no temp file in ``out``, and the killed
+    run's pool ``workers`` end (they died with it, or the rerun stopped them)."""
+    output = rerun.communicate(timeout=300)[0]
+    assert rerun.returncode == 0, output[-3000:]
+    left = sorted(p.name for p in out.iterdir() if p.name.startswith("."))
+    assert left == [], f"left by the killed {what}: {left}"
+    poll(
+        lambda: not any(_alive_as(p, s) for p, s in workers.items()),
+        f"the killed {what}'s pool workers {sorted(workers)} to end",
+        timeout=60,
+    )
+
+
+def _stop_own(groups: list[int], workers: dict[int, str]) -> None:
+    """A test's ``finally``: its own process groups (the runs and their workers) and the
+    workers it saw, by pid and start time; nothing else."""
+    for pgid in groups:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for pid, start in workers.items():
+        if _alive_as(pid, start):
+            os.kill(pid, signal.SIGKILL)
+
+
 # --------------------------------------------------------------------------- merge
 
 
@@ -100,14 +132,19 @@ records.merge_and_shuffle(
 """
 
 
+def _child(code: str, cfg: dict) -> subprocess.Popen:
+    """``code`` (MERGE_CHILD, SPLIT_CHILD) run with ``cfg`` in a process group of its own:
+    the test's ``finally`` stops it and its workers, and only them."""
+    return subprocess.Popen(
+        [sys.executable, "-c", code, json.dumps(cfg)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+
+
 def _merge_process(inputs: list[str], out: Path, hold: Path | None, pdeathsig: bool):
     cfg = {"inputs": inputs, "out": str(out), "hold": str(hold) if hold else None,
            "pdeathsig": pdeathsig}  # fmt: skip
-    return subprocess.Popen(
-        [sys.executable, "-c", MERGE_CHILD, json.dumps(cfg)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,  # its own group: the finally stops it and its workers
-    )  # fmt: skip
+    return _child(MERGE_CHILD, cfg)
 
 
 def _shards(d: Path) -> list[str]:
@@ -160,26 +197,11 @@ def test_merge_sigkilled_mid_write_next_merge_leaves_no_tmp_and_no_workers(
 
         rerun = _merge_process(inputs, out, None, True)
         groups.append(rerun.pid)
-        output = rerun.communicate(timeout=300)[0]
-        assert rerun.returncode == 0, output[-3000:]
-        left = sorted(p.name for p in out.iterdir() if p.name.startswith("."))
-        assert left == [], f"left by the killed merge: {left}"
-        poll(
-            lambda: not any(_alive_as(p, s) for p, s in workers.items()),
-            f"the killed merge's pool workers {sorted(workers)} to end",
-            timeout=60,
-        )
+        _nothing_left_after_rerun(rerun, out, workers, "merge")
         assert _outputs(out) == _outputs(tmp_path / "ref")
         assert json.loads((out / "stats.json").read_text()) == never_failed
     finally:
-        for pgid in groups:  # the merges and their workers: this test's own groups only
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        for pid, start in workers.items():
-            if _alive_as(pid, start):
-                os.kill(pid, signal.SIGKILL)
+        _stop_own(groups, workers)
 
 
 # --------------------------------------------------------------------------- split
@@ -224,11 +246,7 @@ records.split_chunks(
 def _split_process(merged: Path, out: Path, marks: Path, hold: str | None, pdeathsig: bool):
     cfg = {"merged": str(merged), "dir": str(out), "marks": str(marks), "hold": hold,
            "pdeathsig": pdeathsig}  # fmt: skip
-    return subprocess.Popen(
-        [sys.executable, "-c", SPLIT_CHILD, json.dumps(cfg)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,  # its own group: the finally stops it and its workers
-    )  # fmt: skip
+    return _child(SPLIT_CHILD, cfg)
 
 
 @pytest.mark.parametrize(
@@ -272,27 +290,12 @@ def test_split_sigkilled_next_split_leaves_no_tmp_and_no_workers(
 
         rerun = _split_process(merged, out, marks, None, True)
         groups.append(rerun.pid)
-        output = rerun.communicate(timeout=300)[0]
-        assert rerun.returncode == 0, output[-3000:]
-        left = sorted(p.name for p in out.iterdir() if p.name.startswith("."))
-        assert left == [], f"left by the killed split: {left}"
-        poll(
-            lambda: not any(_alive_as(p, s) for p, s in workers.items()),
-            f"the killed split's pool workers {sorted(workers)} to end",
-            timeout=60,
-        )
+        _nothing_left_after_rerun(rerun, out, workers, "split")
         assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in ref.iterdir())
         for p in ref.iterdir():
             assert (out / p.name).read_bytes() == p.read_bytes(), p.name
     finally:
-        for pgid in groups:  # the splits and their workers: this test's own groups only
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        for pid, start in workers.items():
-            if _alive_as(pid, start):
-                os.kill(pid, signal.SIGKILL)
+        _stop_own(groups, workers)
 
 
 # --------------------------------------------------------------------------- chunk job
