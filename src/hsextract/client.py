@@ -433,6 +433,13 @@ class Client:
             ) from exc
         except requests.ConnectionError as exc:
             raise TransientError(f"connection failed: {exc}") from exc
+        except (
+            requests.exceptions.ChunkedEncodingError,
+            requests.exceptions.ContentDecodingError,
+        ) as exc:
+            # The headers came and the body did not: the server died mid-answer (another
+            # request killed it, an OOM).  As transient as a refused connection.
+            raise TransientError(f"connection failed mid-answer: {exc}") from exc
         if resp.status_code >= 500:
             raise TransientError(f"HTTP {resp.status_code}: {resp.text[:200]}")
         if resp.status_code != 200:
@@ -729,7 +736,8 @@ def _extract_chunk(
             exc = first_error[0]  # the cause, not a record that stopped because of it
             if isinstance(exc, HsextractError):
                 raise ExtractionError(f"chunk {name}: {exc}") from exc
-            if isinstance(exc, OSError):
+            # requests' errors are OSErrors too: only a file's error is a write error.
+            if isinstance(exc, OSError) and not _is_http_error(exc):
                 raise _write_error(name, out_path, exc) from exc
             raise ExtractionError(f"chunk {name}: {type(exc).__name__}: {exc}") from exc
         tracker.set_phase("finishing")
@@ -866,6 +874,12 @@ def _server_record(state: dict) -> dict:
         "started_at": state.get("started_at"),
         "healthy_at": state.get("healthy_at"),
     }
+
+
+def _is_http_error(exc: BaseException) -> bool:
+    import requests
+
+    return isinstance(exc, requests.RequestException)
 
 
 def _write_error(name: str, out_path: Path, exc: OSError) -> ExtractionError:

@@ -451,6 +451,9 @@ class EngineServer:
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
+                if faults.ACTIVE and payload is faults.CUT:  # tests only: die mid-answer
+                    self.close_connection = True
+                    return
                 self.wfile.write(body)
 
             def _authorized(self) -> bool:

@@ -16,7 +16,7 @@ Spec (every key optional)::
       "log": "/tmp/x/faults.jsonl",  # every fault that fires is appended here (one JSON
                                      # object per line: what, rid, file, pid)
       "generate": [                  # per POST /generate, before it is scheduled
-        {"rid": "chunk_00001", "nth": [3], "do": "500" | "hang" | "kill"}
+        {"rid": "chunk_00001", "nth": [3], "do": "500" | "hang" | "kill" | "cut"}
       ],
       "piece": [                     # per finished request, once its pieces are on disk
         {"rid": "chunk_00001", "nth": [2], "do": "truncate" | "bad_header" | "drop"
@@ -43,6 +43,8 @@ list, or ``"all"``, the default).  Actions:
 - ``500``: answer HTTP 500 (the client retries: transient);
 - ``hang``: accept the request and never answer (the client times out: transient);
 - ``kill``: SIGKILL the server process (the client relaunches it: transient);
+- ``cut``: answer the status line and headers of a 200, then close the connection with no
+  body, as a server that dies mid-answer does (another request's kill, an OOM) (transient);
 - ``truncate`` / ``bad_header``: corrupt one piece of the request (``index`` into its
   pieces sorted by start; default 0) -- half its bytes, or garbage in the JSON header;
 - ``drop``: delete one piece (default: the last) -- a coverage gap after completion;
@@ -76,7 +78,7 @@ from pathlib import Path
 from typing import Any
 
 ENV = "HSEXTRACT_FAULTS"
-_GENERATE_ACTIONS = {"500", "hang", "kill"}
+_GENERATE_ACTIONS = {"500", "hang", "kill", "cut"}
 _PIECE_ACTIONS = {"truncate", "bad_header", "drop", "flip_id"}
 _WRITE_ACTIONS = {"enospc"}
 _EXTEND_ACTIONS = {"slow", "kill", "wait"}
@@ -161,6 +163,10 @@ def _fired(what: str, **info: Any) -> None:
 # -- reference engine ------------------------------------------------------------------
 
 
+#: The payload of a ``cut`` answer: the engine sends its headers and closes, no body.
+CUT = {"cut": True}
+
+
 def before_generate(rid: str) -> tuple[int, dict] | None:
     """Called by the engine per /generate; returns a response to send instead, or None."""
     rule = _match("generate", "rid", rid)
@@ -171,6 +177,8 @@ def before_generate(rid: str) -> tuple[int, dict] | None:
         return 500, {"error": f"injected fault: HTTP 500 for rid {rid}"}
     if rule["do"] == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if rule["do"] == "cut":
+        return 200, CUT
     threading.Event().wait()  # "hang": the connection stays open, no answer ever comes
     return None  # pragma: no cover
 

@@ -91,8 +91,13 @@ def test_hung_server_times_out_and_fails_after_retries(run: FaultRun):
 @fault_test
 def test_server_killed_mid_chunk_is_relaunched_then_the_chunk_fails(run: FaultRun):
     # Every server process SIGKILLs itself when record 3 of chunk_00001 reaches it; one
-    # request in flight makes the sequence exact: kill, relaunch, kill, give up.
-    run.set_config(**{"client.retries": 1, "client.requests_in_flight": 1})
+    # request in flight makes the sequence exact: kill, relaunch, kill, give up.  One
+    # sending turn, so the window is that one request, not the vacant turns' share too
+    # (client._Window): with three in flight, the kill cut another record's answer
+    # mid-body (the CI run of 2026-12-05; test_answer_cut_mid_body_... covers that case).
+    run.set_config(
+        **{"client.retries": 1, "client.requests_in_flight": 1, "client.sending_jobs": 1}
+    )
     spec = run.spec(generate=[{"rid": "chunk_00001-000003", "nth": [1], "do": "kill"}])
     out = run.fail(spec)
     run.assert_failed_cleanly(
@@ -102,6 +107,29 @@ def test_server_killed_mid_chunk_is_relaunched_then_the_chunk_fails(run: FaultRu
     )
     kills = [e for e in run.fault_log() if e["fault"] == "kill"]
     assert len(kills) == 2 and kills[0]["pid"] != kills[1]["pid"], kills
+    assert "retry 1/1 in 0.2s" in run.log("extract_chunk_00001.log")
+    run.set_config(**{"client.retries": 2, "client.requests_in_flight": 8})
+    run.rerun_matches()
+
+
+@fault_test
+def test_answer_cut_mid_body_is_retried_then_the_chunk_fails(run: FaultRun):
+    """A server that dies mid-answer (status line and headers sent, no body) is a connection
+    failure, retried like one: not an unclassified error blamed on the chunk file (it was
+    reported as "cannot write ...safetensors: Connection broken: IncompleteRead")."""
+    run.set_config(
+        **{"client.retries": 1, "client.requests_in_flight": 1, "client.sending_jobs": 1}
+    )
+    spec = run.spec(generate=[{"rid": "chunk_00001-000003", "do": "cut"}])
+    out = run.fail(spec)
+    run.assert_failed_cleanly(
+        out,
+        "chunk chunk_00001: record ",
+        "gave up after 2 attempts (client.retries=1): connection failed mid-answer",
+        "IncompleteRead",
+    )
+    assert "cannot write" not in out, out[-3000:]
+    assert attempts_per_record(run, "cut") == Counter({"chunk_00001-000003": 2})
     assert "retry 1/1 in 0.2s" in run.log("extract_chunk_00001.log")
     run.set_config(**{"client.retries": 2, "client.requests_in_flight": 8})
     run.rerun_matches()
