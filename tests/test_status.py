@@ -65,9 +65,12 @@ def test_a_finished_run_is_all_done_with_eta_zero(demo_copy):
 
 
 def test_a_run_in_progress_reports_counts_rate_eta_and_its_server(tmp_path):
-    # One request at a time, and each chunk's third record held on a gate of its own
-    # (its first pass waits): a status then sees that chunk in flight, two records done.
-    wd = make_workdir(tmp_path / "w", **SMALL, **{"client.requests_in_flight": 1})
+    # One request at a time (one sending turn: no vacant turns' share, client._Window),
+    # and each chunk's third record held on a gate of its own (its first pass waits): a
+    # status then sees that chunk in flight, two records done.
+    wd = make_workdir(
+        tmp_path / "w", **SMALL, **{"client.requests_in_flight": 1, "client.sending_jobs": 1}
+    )
     gates = {f"chunk_{c:05d}": tmp_path / f"go-{c}" for c in range(4)}
     fault_log = tmp_path / "faults.jsonl"
     hold = {
