@@ -30,6 +30,7 @@ from hsextract.server import (
     remove_dump_dir_if_empty,
     stop_live,
 )
+from hsextract.sizing import sizing_report
 from hsextract.stale import hold_run_lock, preview
 
 # The one way a config is read (hsextract.config.load_config, the CLI's too): the
@@ -190,7 +191,8 @@ def stale_deletion_done():
 if MAIN and workflow.is_main_process:
     show_stale_plan()
     if CHUNK_SIZING is not None:
-        print(f"hsextract: {CHUNK_SIZING.describe()}", file=sys.stderr)
+        for line in sizing_report(CFG, CHUNK_SIZING):
+            print(f"hsextract: {line}", file=sys.stderr)
 
 
 def hold_run():

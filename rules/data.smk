@@ -54,8 +54,10 @@ rule chunk_index:
         run_path("benchmarks/chunk_index.tsv")
     conda:
         "../envs/hsextract.yaml"
+    # :q shell-quotes each path: an output_root with a space, a quote or a `$` must name
+    # the run's own files, never a word of it that is someone else's file.
     shell:
-        "cp {input.split} {output.index} 2> {log}"
+        "cp {input.split:q} {output.index:q} 2> {log:q}"
 
 
 # Its settings name an output (settings_file in common.smk): setting stale.delete_finished

@@ -214,3 +214,80 @@ def test_inputs_that_match_the_runs_own_outputs_are_refused(tmp_path):
         load_config("config.yaml", {**over, "inputs": ["data/*.jsonl"]})
     finally:
         os.chdir(cwd)
+
+
+def test_inputs_through_a_symlink_that_match_the_runs_outputs_are_refused(tmp_path):
+    """Issue 38, item 9: on 51ef369 `inputs: link/**/*.jsonl` with `link -> data` and
+    `output_root: data/out` was accepted (the check compared the paths as written), then
+    failed later with "the inputs changed".  Both sides are resolved now."""
+    project = make_workdir(tmp_path / "p", **{"demo.enabled": False})
+    (project / "data").mkdir()
+    (project / "data" / "a.jsonl").write_text('{"input_ids": [1, 2], "loss_mask": [0, 1]}\n')
+    (project / "link").symlink_to("data")
+    cwd = os.getcwd()
+    os.chdir(project)
+    try:
+        for over in (
+            {"inputs": ["link/**/*.jsonl"], "output_root": "data/out"},
+            {"inputs": ["data/**/*.jsonl"], "output_root": "link/out"},
+        ):
+            with pytest.raises(ConfigError, match="matches files this run writes"):
+                load_config("config.yaml", over)
+        load_config("config.yaml", {"inputs": ["link/*.jsonl"], "output_root": "link/out"})
+    finally:
+        os.chdir(cwd)
+
+
+def test_a_relative_model_path_names_the_model_it_resolves_to(demo_run, tmp_path):
+    """Issue 38, item 4: on 51ef369 `model.path: models/m` was hashed as written, so the same
+    fingerprint named whichever model lay there from the directory a command ran in.  Two
+    directories holding different models under the same relative path now make two run
+    dirs; the same model reached by a relative and an absolute path (or a symlink) one."""
+    model = demo_run["workdir"] / "results" / "demo" / "model"
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        shutil.copytree(model, d / "models" / "m")
+    # b's model: same shapes and sizes, other weights (one value changed).
+    weights = b / "models" / "m" / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 0x01
+    weights.write_bytes(bytes(raw))
+    (tmp_path / "link").symlink_to(a / "models" / "m")
+    cfg = own_config(demo_run, tmp_path)
+    cfg["model"]["path"] = "models/m"
+    mine = tmp_path / "my.yaml"
+    mine.write_text(yaml.safe_dump(cfg))
+    fp = {}
+    for d in (a, b):
+        cli = _hsextract("run-dir", "--configfile", str(mine), cwd=d)
+        assert cli.returncode == 0, cli.stderr
+        fp[d.name] = Path(cli.stdout.strip()).name
+    assert fp["a"] != fp["b"]
+    for path in (str(a / "models" / "m"), str(tmp_path / "link")):
+        cfg["model"]["path"] = path
+        mine.write_text(yaml.safe_dump(cfg))
+        cli = _hsextract("run-dir", "--configfile", str(mine), cwd=b)
+        assert Path(cli.stdout.strip()).name == fp["a"], (path, cli.stderr)
+
+
+def test_a_config_file_turning_the_demo_off_on_the_demos_file_is_refused(demo_run, tmp_path):
+    """Issue 38, item 5: `--configfile config.yaml my.yaml` (the demo's file under the
+    user's) silently applied the demo's max_seq_len: 512 on 51ef369 (20 of 30 records
+    truncated, said only in the merge log).  Refused like the --config route, naming both
+    files, for the workflow and the CLI alike."""
+    project = make_workdir(tmp_path / "project")
+    cfg = own_config(demo_run, tmp_path)
+    del cfg["max_seq_len"]  # the demo's would apply
+    cfg["demo"] = {"enabled": False}
+    (project / "my.yaml").write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run(
+        snakemake_cmd(project, "-n", "extract_all", "--configfile", "config.yaml", "my.yaml"),
+        capture_output=True, text=True, timeout=300, cwd=project,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    said = r"--configfile \S*my\.yaml turns the demo off on \S*config\.yaml, the demo's config"
+    assert re.search(said, out), out[-3000:]
+    assert "Traceback" not in out
+    cli = _hsextract("plan", "--configfile", "config.yaml", "my.yaml", cwd=project)
+    assert cli.returncode != 0 and "turns the demo off on config.yaml" in cli.stderr

@@ -1,6 +1,6 @@
-"""``n_chunks: auto`` (issue 34): chunks sized from the inputs' tokens and the server's
-in-flight window, a count that small data changes do not move, said by `hsextract plan`
-and at planning; a bare number still works."""
+"""``n_chunks: auto`` (issue 34): chunks sized from the inputs' tokens and ``chunk_tokens``
+(never a throughput setting: issue 38), a count that small data changes do not move, said
+by `hsextract plan` and at planning; a bare number still works."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from fixtures_demo import own_config, planned_jobs, snakemake_cmd
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hsextract.config import chunk_count, chunk_sizing, read_config
+from hsextract.config import chunk_count, chunk_sizing, read_config, typed
 from hsextract.datasize import cache_dir, count_tokens, input_size
+from hsextract.settings import SETTINGS, kinds_with
 from hsextract.sizing import MAX_CHUNK_TOKENS, MIN_CHUNK_TOKENS, auto_chunks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,7 +84,7 @@ def test_auto_is_the_default_and_counts_once_per_version_of_the_inputs(
     assert len(cached) == 1 and json.loads(cached[0].read_text())["tokens"] == sizing.total_tokens
     assert not (tmp_path / "out").exists()  # nothing where runs live
     # Small chunks make several: the count is what auto_chunks says for those tokens.
-    smaller = read_config(path, {"client.requests_in_flight": 1})
+    smaller = read_config(path, {"chunk_tokens": 2048})
     assert chunk_count(smaller) == auto_chunks(smaller, sizing.total_tokens, records).n_chunks
     # A bare number still works, and counts nothing.
     assert chunk_count(read_config(path, {"n_chunks": 3})) == 3
@@ -110,3 +111,56 @@ def test_plan_and_the_workflow_say_the_size_auto_chose(demo_run, tmp_path):
         cwd=tmp_path, capture_output=True, text=True,
     )  # fmt: skip
     assert cli.stdout.startswith(f"n_chunks: auto -> {n} chunks of ~{said.group(2)} tokens")
+
+
+#: Throughput settings at extremes, beyond their samples: none may move the split.
+EXTREMES = {
+    "client.requests_in_flight": 1024,
+    "client.sending_jobs": 64,
+    "sglang.dp_size": 8,
+    "server.max_running_requests": 8192,
+    "server.chunked_prefill_size": 16384,
+}
+
+
+def _with(cfg: dict, key: str, value) -> dict:
+    node = cfg
+    *parents, last = key.split(".")
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[last] = value
+    return cfg
+
+
+def test_auto_moves_only_with_the_records_and_chunk_tokens():
+    """Issue 38, item 6: on 51ef369 ``client.requests_in_flight`` 8 -> 64 (a "neither" key)
+    made auto choose 1 chunk instead of 2, re-extracting the whole run.  Every key whose
+    declared kind is not "chunk content" is changed to its sample (the throughput ones to
+    extremes too), with either engine, on an auto-sized run of several chunks: the count,
+    and so the split, stays."""
+    import copy
+
+    base_raw = yaml.safe_load((REPO / "config.yaml").read_text())
+    base_raw.update(n_chunks="auto")
+    base_raw["demo"]["n_records"] = 4000  # the demo's auto counts its recipe: ~2 M tokens
+    moved = []
+    for engine in ("reference", "sglang"):
+        base = _with(copy.deepcopy(base_raw), "engine", engine)
+        want = chunk_count(typed(base))
+        assert want > 2
+        for s in SETTINGS.values():
+            if "chunk content" in kinds_with(s, engine) or s.key in ("engine", "demo.enabled"):
+                continue
+            changed = copy.deepcopy(base)
+            for k, v in {**s.sample_with, s.key: s.sample}.items():
+                _with(changed, k, copy.deepcopy(v))
+            if chunk_count(typed(changed)) != want:
+                moved.append(f"{s.key}={s.sample!r} ({engine})")
+        extreme = copy.deepcopy(base)
+        for k, v in EXTREMES.items():
+            _with(extreme, k, v)
+        if chunk_count(typed(extreme)) != want:
+            moved.append(f"throughput settings at extremes ({engine})")
+    assert not moved, f"the chunk count moved with: {moved}"
+    # What does move it: chunk_tokens (its kind says so) and the records.
+    assert chunk_count(typed({**base_raw, "chunk_tokens": 16384})) > chunk_count(typed(base_raw))

@@ -201,3 +201,51 @@ def test_stale_recognises_exactly_the_names_the_writers_use(tmp_path):
     turn.release()
     assert all(stale._DOT_DIRS[budget.TURNS_DIR].fullmatch(p.name)
                for p in (tmp_path / budget.TURNS_DIR).iterdir())  # fmt: skip
+
+
+def _tree(root: Path, skip: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file under ``root`` but those under ``skip``: its mtime and bytes."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and not p.is_symlink() and skip not in p.parents:
+            out[str(p.relative_to(root))] = (p.stat().st_mtime_ns, p.read_bytes())
+    return out
+
+
+def test_spaces_quotes_and_dollars_in_paths_touch_nothing_outside_the_run(demo_run, tmp_path):
+    """Issue 38, item 1: on 51ef369 chunk_index's unquoted `cp {input} {output} 2> {log}`
+    split ``output_root`` at its spaces, so `2> <root>/victim` emptied a user's file named by
+    the path's first word.  Every path of the run, and the inputs', holds a space, both
+    quotes and a `$`; the run finishes and no file outside its output_root changed."""
+    import shutil
+
+    import yaml
+    from fixtures_demo import own_config, run_snakemake
+
+    odd = "y 'a b' \"$HOME\" $x"
+    data = tmp_path / f"in {odd}"
+    shutil.copytree(demo_run["workdir"] / "results" / "demo" / "data", data)
+    out = tmp_path / f"victim {odd}"
+    # The first word of each path, and what the unquoted shell made of the rest.
+    (tmp_path / "victim").write_text("precious\n")
+    (tmp_path / "y").write_text("mine too\n")
+    cfg = own_config(demo_run, tmp_path, n_chunks=2, inputs=[str(data / "shard_*.jsonl")])
+    cfg["output_root"] = str(out)
+    (tmp_path / "my.yaml").write_text(yaml.safe_dump(cfg))
+    before = _tree(tmp_path, out)
+    proc = run_snakemake(tmp_path, "-j1", "extract_all", "--configfile", str(tmp_path / "my.yaml"))
+    after = _tree(tmp_path, out)
+    snakemake_meta = tmp_path / ".snakemake"
+    changed = [
+        name
+        for name in before.keys() | after.keys()
+        if before.get(name) != after.get(name) and snakemake_meta not in (tmp_path / name).parents
+    ]
+    assert changed == [], f"files outside the run changed: {changed}\n{proc.stderr[-2000:]}"
+    assert (tmp_path / "victim").read_text() == "precious\n"
+    (manifest,) = out.glob("*/manifest.json")
+    verify = subprocess.run(
+        [sys.executable, "-m", "hsextract.cli", "verify", str(manifest)],
+        capture_output=True, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert verify.returncode == 0, verify.stdout + verify.stderr

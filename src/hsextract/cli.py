@@ -172,11 +172,12 @@ def _plan(args: argparse.Namespace) -> int:
     """Which chunks the next run re-extracts, from the current split; touches nothing."""
     from hsextract.config import chunk_sizing, fingerprint, run_dir
     from hsextract.plan import changed_inputs, chunk_states
+    from hsextract.sizing import sizing_report
 
     cfg = _load(args)
     sizing = chunk_sizing(cfg)
     if sizing is not None:
-        print(sizing.describe())
+        print("\n".join(sizing_report(cfg, sizing)))
     rd = run_dir(cfg)
     index = rd / "chunks" / "index.json"
     if not index.exists():

@@ -64,13 +64,12 @@ def load_config(
     demo's ``model.revision`` and ``max_reject_fraction`` there and not elsewhere (another
     fingerprint), and ``--config 'demo={enabled: false}'`` kept its ``max_seq_len: 512``.
     """
-    files = config_files(configfiles)
+    layers = [(str(f), read_config_file(f)) for f in config_files(configfiles)]
+    layers.append(("--config", coerce_to_schema(nest(overrides or {}))))  # strings typed
+    refuse_demo_leak(layers)
     cfg: dict = {}
-    for f in files:
-        merge_into(cfg, read_config_file(f))
-    extra = coerce_to_schema(nest(overrides or {}))  # --config's values are strings
-    refuse_demo_leak(cfg, extra, files)
-    merge_into(cfg, extra)
+    for _, layer in layers:
+        merge_into(cfg, layer)
     validate(cfg)
     return cfg
 
@@ -153,24 +152,29 @@ def merge_into(base: dict, top: Mapping[str, Any]) -> dict:
     return base
 
 
-def refuse_demo_leak(files_cfg: dict, overrides: dict, files: list[Path]) -> None:
-    """``--config 'demo={enabled: false}'`` on the demo's config is refused, not merged.
+def refuse_demo_leak(layers: list[tuple[str, dict]]) -> None:
+    """A layer that turns the demo off on top of one that turns it on is refused, not merged:
+    ``--configfile config.yaml my.yaml`` as much as ``--config 'demo={enabled: false}'``.
 
     The demo's config holds values chosen for its 48 tiny records (``max_seq_len: 512``,
     ``n_chunks: 4``, ``model.revision: demo-v1``, ``max_reject_fraction: 0.05``); a run of a
-    user's data built on it kept them without a word (20 of 20 long records truncated).
+    user's data built on it kept them without a word (20 of 30 long records truncated).
+    ``layers`` are (where it comes from, its mapping), in merge order.
     """
-    if (files_cfg.get("demo") or {}).get("enabled") and (overrides.get("demo") or {}).get(
-        "enabled"
-    ) is False:
-        names = ", ".join(str(f) for f in files)
-        raise ConfigError(
-            f"--config turns the demo off on {names}, the demo's config: its other values "
-            "(max_seq_len, n_chunks, model.revision, merge.max_reject_fraction ...) are the "
-            "demo's and would silently apply to your data. Write your own config file "
-            "(start from configs/qwen3-8b-1xh200.yaml or configs/deepseek-v3-8xh200.yaml) "
-            "and pass it with --configfile"
-        )
+    demo_files = []
+    for name, layer in layers:
+        enabled = (layer.get("demo") or {}).get("enabled")
+        if enabled:
+            demo_files.append(name)
+        elif enabled is False and demo_files:
+            how = "--config turns" if name == "--config" else f"--configfile {name} turns"
+            raise ConfigError(
+                f"{how} the demo off on {', '.join(demo_files)}, the demo's config: its other "
+                "values (max_seq_len, n_chunks, model.revision, merge.max_reject_fraction ...) "
+                "are the demo's and would silently apply to your data. Pass only your own "
+                "config file with --configfile (start from configs/qwen3-8b-1xh200.yaml or "
+                "configs/deepseek-v3-8xh200.yaml)"
+            )
 
 
 def typed(cfg: dict) -> Config:
@@ -391,22 +395,32 @@ def _glob_regex(pattern: str) -> re.Pattern[str]:
     return re.compile("".join(out) + r"\Z")
 
 
+def _resolved_glob(pattern: str) -> str:
+    """``pattern`` with the directories before its first wildcard resolved (symlinks,
+    ``..``), as the filesystem names the files it matches."""
+    parts = os.path.abspath(pattern).split("/")
+    k = next((i for i, p in enumerate(parts) if any(c in p for c in "*?[")), len(parts))
+    literal = os.path.realpath("/".join(parts[:k]) or "/")
+    return "/".join([literal.rstrip("/"), *parts[k:]]) if k < len(parts) else literal
+
+
 def check_inputs_outside_output_root(cfg: dict) -> None:
     """An ``inputs`` glob that matches what a run writes is refused before planning.
 
     With ``output_root`` under the inputs' directory (``inputs: [data/**/*.jsonl]``,
     ``output_root: data/results``) the merge's own train.jsonl or a chunk's records
     became an input of the next plan: a cyclic graph.  Decided on the paths a run writes
-    (they need not exist yet), resolved from the working directory as both are.
+    (they need not exist yet), resolved from the working directory as both are, symlinks
+    included (``inputs: link/**`` with ``link -> data`` and ``output_root: data/out``).
     """
-    root = os.path.abspath(cfg.get("output_root") or ".")
+    root = os.path.realpath(cfg.get("output_root") or ".")
     written = [
         f"{root}/0123456789ab/merged/train.jsonl",
         f"{root}/0123456789ab/merged/rejects.jsonl",
         f"{root}/0123456789ab/chunks/chunk_00000.jsonl",
     ]  # (the demo's shards under output_root/demo are inputs, made by its own rule)
     for entry in cfg.get("inputs") or []:
-        rx = _glob_regex(os.path.abspath(os.fspath(entry)))
+        rx = _glob_regex(_resolved_glob(os.fspath(entry)))
         hit = next((w for w in written if rx.match(w)), None)
         if hit is not None:
             raise ConfigError(
@@ -598,23 +612,32 @@ def read_model_config(cfg: Config) -> dict:
 
 
 def model_identity(cfg: Config) -> dict:
-    """What names the model's weights: the path, a revision tag, and the demo recipe.
+    """What names the model's weights: its resolved path and contents, a revision tag.
 
-    The path as configured, not resolved: a copied or moved project keeps its run dirs.
-    The dict as written (``cfg.raw``), as for the whole fingerprint.
+    Never the path as written: ``models/llama`` is another model from each directory a
+    command runs in (hsextract.model_identity).  The demo's weights are its recipe, built
+    at ``model.path`` by its own rule (which refuses a path holding anything else), so the
+    recipe names them; its path stays as written only so the demo's run dir keeps its name
+    (it cannot name two models: check_demo).  The dict as written (``cfg.raw``), as for the
+    whole fingerprint.
     """
+    from hsextract.model_identity import contents_digest, resolved
+
     raw = cfg.raw
+    demo = raw.get("demo", {})
+    path = raw["model"]["path"]
     ident: dict[str, Any] = {
-        "path": os.path.normpath(raw["model"]["path"]),
+        "path": os.path.normpath(path) if demo.get("enabled") else resolved(path),
         "revision": raw["model"].get("revision"),
         "dtype": raw["model"]["dtype"],
     }
-    demo = raw.get("demo", {})
     if demo.get("enabled"):
         # The recipe of the seeded random weights (not the data: n_records, n_shards).
         ident["demo"] = {
             k: demo.get(k) for k in ("seed", "num_hidden_layers", "hidden_size", "vocab_size")
         }
+    else:
+        ident["contents"] = contents_digest(path)
     return ident
 
 

@@ -186,8 +186,10 @@ class Config:
     inputs: tuple[str, ...] | None = None
     #: runs live in <output_root>/<fingerprint>/ [run location]
     output_root: str
-    #: how many chunk files the records are split into; auto = sized from the inputs' tokens and the server's in-flight window (hsextract.sizing) [chunk content]
+    #: how many chunk files the records are split into; auto = the inputs' tokens over chunk_tokens (hsextract.sizing) [chunk content]
     n_chunks: int | str = "auto"
+    #: n_chunks: auto's target tokens a chunk; null = 144,000 (~4 s of an 8B target's prefill on one H200); within [1,024, 4,194,304] [chunk content]
+    chunk_tokens: int | None = None
     #: the one source of truth for length [chunk content, launch spec]
     max_seq_len: int
     #: shuffles the merge [merge order]

@@ -1,4 +1,11 @@
-"""``n_chunks: auto``: how many chunks, from the data's tokens and the server's window.
+"""``n_chunks: auto``: how many chunks, from the data's tokens and a fixed target.
+
+The count decides which records share a chunk (a hash mod the count), so it may depend on
+nothing but the records and an explicit ``chunk_tokens``: a throughput setting that moved
+it (``client.requests_in_flight`` 8 -> 64 once halved the count, issue 38) re-extracted a
+whole run for a knob the settings table says changes nothing.  The target below is the
+default of ``chunk_tokens``; a node of DP workers, whose server does the same work in less
+time, can ask for larger chunks with it (``hsextract plan`` says so).
 
 Why a chunk has a lower bound: each chunk job pays a fixed cost outside its sending that
 the other jobs' chunks must cover, or SGLang's queue runs dry.  Measured on the H200
@@ -13,8 +20,9 @@ fixed cost with the other jobs' help; a chunk of ``SECONDS_PER_CHUNK`` of the se
 keeps a margin of ~3x over what the 47k-token race still sustained.
 
 Why an upper bound: a failed chunk is redone whole, and its file's finish (fsync, sha256:
-~1 s per GB) after the last response is the run's tail.  Why ``MIN_WINDOWS``: a chunk of
-less than one in-flight window goes out whole at once and spends its life draining.
+~1 s per GB) after the last response is the run's tail.  A chunk of less than one in-flight
+window goes out whole at once and spends its life draining: ``hsextract plan`` warns then
+(:func:`advice`), but never changes the count for it.
 """
 
 from __future__ import annotations
@@ -28,15 +36,14 @@ from hsextract.config_types import Config
 #: bare in the race).  A slower server (a larger model) makes each chunk last longer, the
 #: safe side; a much faster one would want larger chunks than ``auto`` gives.
 RATE_TOK_S = 36_000
-#: A chunk holds at least this many seconds of the server's work (at RATE_TOK_S x dp).
+#: The default target: this many seconds of one DP worker's work at RATE_TOK_S.
 SECONDS_PER_CHUNK = 4.0
-#: ... and at least this many of the server's in-flight windows (every sending job's
-#: requests in flight, per DP worker, times the mean record).
-MIN_WINDOWS = 1
-#: ... and at least this many tokens, whatever the window (small records, few in flight).
-MIN_CHUNK_TOKENS = 65_536
-#: ... and at most this many (a redone chunk's cost; its file's size and finish).
+#: Bounds of any target, ``chunk_tokens`` included: below, a chunk job's fixed cost
+#: dominates; above, a failed chunk's redo and its file's finish are the run's tail.
+MIN_CHUNK_TOKENS = 1_024
 MAX_CHUNK_TOKENS = 4_194_304
+#: ``chunk_tokens: null``.
+DEFAULT_TARGET_TOKENS = int(SECONDS_PER_CHUNK * RATE_TOK_S)
 
 
 @dataclass(frozen=True)
@@ -45,7 +52,6 @@ class ChunkSizing:
 
     n_chunks: int
     target_tokens: int
-    window_tokens: int
     total_tokens: int
     n_records: int
 
@@ -54,22 +60,14 @@ class ChunkSizing:
         return (
             f"n_chunks: auto -> {self.n_chunks} chunks of ~{per:,.0f} tokens "
             f"({self.total_tokens:,} tokens in {self.n_records:,} records; target "
-            f"{self.target_tokens:,} tokens: the larger of {SECONDS_PER_CHUNK:g} s of the "
-            f"server's work at {RATE_TOK_S:,} tok/s per DP worker and {MIN_WINDOWS}x its "
-            f"in-flight window of {self.window_tokens:,} tokens, within "
-            f"[{MIN_CHUNK_TOKENS:,}, {MAX_CHUNK_TOKENS:,}]; a power of two)"
+            f"{self.target_tokens:,} tokens a chunk (chunk_tokens); a power of two)"
         )
 
 
-def in_flight_window_tokens(cfg: Config, mean_record_tokens: float) -> int:
-    """Tokens the server holds when every sending job keeps its requests in flight."""
-    requests = cfg.client.sending_jobs * cfg.client.requests_in_flight * cfg.sglang.dp_size
-    return max(1, round(requests * mean_record_tokens))
-
-
-def target_chunk_tokens(cfg: Config, window_tokens: int) -> int:
-    work = SECONDS_PER_CHUNK * RATE_TOK_S * cfg.sglang.dp_size
-    return int(min(MAX_CHUNK_TOKENS, max(MIN_CHUNK_TOKENS, work, MIN_WINDOWS * window_tokens)))
+def target_chunk_tokens(cfg: Config) -> int:
+    """``chunk_tokens``, or the default, within the bounds."""
+    want = cfg.chunk_tokens if cfg.chunk_tokens is not None else DEFAULT_TARGET_TOKENS
+    return int(min(MAX_CHUNK_TOKENS, max(MIN_CHUNK_TOKENS, want)))
 
 
 def auto_chunks(cfg: Config, total_tokens: int, n_records: int) -> ChunkSizing:
@@ -79,12 +77,42 @@ def auto_chunks(cfg: Config, total_tokens: int, n_records: int) -> ChunkSizing:
     targets): records go to chunks by a hash mod the count, so a new count re-extracts
     everything, and a few more records move a power of two only near a boundary.  Doubled
     while a chunk would exceed MAX_CHUNK_TOKENS; never more chunks than records."""
-    mean = total_tokens / n_records if n_records else 0.0
-    window = in_flight_window_tokens(cfg, mean)
-    target = target_chunk_tokens(cfg, window)
+    target = target_chunk_tokens(cfg)
     ratio = total_tokens / target
     n = 2 ** round(math.log2(ratio)) if ratio > 1 else 1
     while total_tokens / n > MAX_CHUNK_TOKENS and n < n_records:
         n *= 2
     n = max(1, min(n_records, n)) if n_records else 1
-    return ChunkSizing(n, target, window, total_tokens, n_records)
+    return ChunkSizing(n, target, total_tokens, n_records)
+
+
+def advice(cfg: Config, sizing: ChunkSizing) -> list[str]:
+    """What the throughput settings suggest about the chunk size, said and never applied:
+    a chunk shorter than SECONDS_PER_CHUNK of the whole server's work (DP workers finish it
+    sooner), or smaller than the requests every sending job keeps in flight."""
+    out = []
+    per = sizing.total_tokens / sizing.n_chunks if sizing.n_chunks else 0
+    dp = cfg.sglang.dp_size
+    want = SECONDS_PER_CHUNK * RATE_TOK_S * dp
+    if sizing.n_chunks > 1 and per < want / 2:
+        out.append(
+            f"chunks of ~{per:,.0f} tokens are ~{per / (RATE_TOK_S * dp):.1f} s of a "
+            f"{dp}-worker server's work at {RATE_TOK_S:,} tok/s a worker; for ~"
+            f"{SECONDS_PER_CHUNK:g} s set chunk_tokens: {int(want):,} (a new split: every "
+            "chunk is extracted again)"
+        )
+    mean = sizing.total_tokens / sizing.n_records if sizing.n_records else 0
+    window = cfg.client.sending_jobs * cfg.client.requests_in_flight * dp * mean
+    if sizing.n_chunks > 1 and per < window:
+        out.append(
+            f"a chunk (~{per:,.0f} tokens) is smaller than the requests the sending jobs "
+            f"keep in flight (~{window:,.0f} tokens): each goes out whole at once; larger "
+            "chunks (chunk_tokens) keep the server's queue fuller"
+        )
+    return out
+
+
+def sizing_report(cfg: Config, sizing: ChunkSizing) -> list[str]:
+    """What ``auto`` chose, then its advice: the lines ``hsextract plan`` and every
+    ``snakemake`` invocation print."""
+    return [sizing.describe(), *(f"  note: {line}" for line in advice(cfg, sizing))]
