@@ -171,9 +171,9 @@ def refuse_demo_leak(layers: list[tuple[str, dict]]) -> None:
             raise ConfigError(
                 f"{how} the demo off on {', '.join(demo_files)}, the demo's config: its other "
                 "values (max_seq_len, n_chunks, model.revision, merge.max_reject_fraction ...) "
-                "are the demo's and would silently apply to your data. Pass only your own "
-                "config file with --configfile (start from configs/qwen3-8b-1xh200.yaml or "
-                "configs/deepseek-v3-8xh200.yaml)"
+                "are the demo's and would silently apply to your data. Write your own config "
+                "file (start from configs/qwen3-8b-1xh200.yaml or "
+                "configs/deepseek-v3-8xh200.yaml) and pass it with --configfile, alone"
             )
 
 
