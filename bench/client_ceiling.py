@@ -70,10 +70,11 @@ VOCAB = 32000
 
 
 class _StubRequest:
-    __slots__ = ("rid", "ids", "pos", "done")
+    __slots__ = ("rid", "ids", "pos", "starts", "done")
 
     def __init__(self, rid: str, ids: list[int]) -> None:
         self.rid, self.ids, self.pos = rid, ids, 0
+        self.starts: list[int] = []  # of its pieces
         self.done = threading.Event()
 
 
@@ -84,7 +85,7 @@ def _stub_main(a: dict) -> None:
 
     import torch
 
-    from hsextract.capture import DumpWriter
+    from hsextract.capture import ABANDONED_DIR, DumpWriter, piece_name
 
     rank, dp = a["rank"], a["dp"]
     with contextlib.suppress(OSError):
@@ -99,6 +100,7 @@ def _stub_main(a: dict) -> None:
     hidden = torch.randn(cps, h, generator=gen).to(torch.bfloat16)
     aux = [torch.randn(cps, h, generator=gen).to(torch.bfloat16) for _ in range(k)]
     inbox: queue.SimpleQueue[_StubRequest] = queue.SimpleQueue()
+    landing: queue.SimpleQueue[_StubRequest] = queue.SimpleQueue()
 
     def passes() -> None:
         """Continuous batching with chunked prefill: each pass takes up to ``cps`` tokens
@@ -120,6 +122,7 @@ def _stub_main(a: dict) -> None:
                 starts.append(r.pos)
                 lens.append(n)
                 ids.extend(r.ids[r.pos : r.pos + n])
+                r.starts.append(r.pos)
                 r.pos += n
                 room -= n
                 if r.pos == len(r.ids):
@@ -130,13 +133,29 @@ def _stub_main(a: dict) -> None:
                     rids, starts, lens, torch.tensor(ids, dtype=torch.int64), hidden[:t],
                     [x[:t] for x in aux],
                 )  # fmt: skip
-                if a["pieces"] == "before":
-                    writer.flush()
             for r in finished:
                 running.remove(r)
-                r.done.set()
+                if writer is not None and a["pieces"] == "before":
+                    landing.put(r)
+                else:
+                    r.done.set()
+
+    def answers() -> None:
+        """``--pieces before``: a request is answered once its pieces are renamed into
+        place, while the next passes are staged (a flush per pass would idle the writer
+        threads while the pass loop copies the next pass)."""
+        while True:
+            r = landing.get()
+            tomb = os.path.join(dump, ABANDONED_DIR, r.rid)
+            for start in r.starts:
+                path, delay = os.path.join(dump, r.rid, piece_name(start)), 0.0002
+                while not os.path.exists(path) and not os.path.lexists(tomb):
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.005)
+            r.done.set()
 
     threading.Thread(target=passes, daemon=True).start()
+    threading.Thread(target=answers, daemon=True).start()
     info = {
         "model_path": a["model_path"],
         "is_generation": True,
@@ -303,7 +322,7 @@ def _timed(owner: object, name: str, phase: str) -> None:
     setattr(owner, name, wrapper)
 
 
-def _job_init(profile: bool) -> None:
+def _job_init() -> None:
     """A chunk job's process: the client imported, its phases timed, profiling set up."""
     from hsextract import budget, chunks, client, records
 
@@ -326,8 +345,6 @@ def _job_init(profile: bool) -> None:
     _timed(records, "load_chunk", "per chunk: load records")
     _timed(chunks.ChunkWriter, "finish", "per chunk: finish (fsync, sha256)")
     _timed(chunks, "check_chunk", "per chunk: check_chunk")
-    global _PROFILE
-    _PROFILE = profile
     # What extract_chunk imports on its first call: a process start cost, not a request's.
     import requests  # noqa: F401
     import tqdm  # noqa: F401
@@ -336,15 +353,12 @@ def _job_init(profile: bool) -> None:
     import hsextract.status  # noqa: F401
 
 
-_PROFILE = False
-
-
 def _thread_profile(*_: object) -> None:
     """threading.setprofile hook: the thread's own cProfile, from its first event."""
     import cProfile
 
     sys.setprofile(None)
-    p = cProfile.Profile()
+    p = cProfile.Profile(time.thread_time)
     try:
         p.enable()
     except ValueError:
@@ -353,15 +367,17 @@ def _thread_profile(*_: object) -> None:
 
 
 @contextlib.contextmanager
-def _profiled():
+def _profiled(on: bool):
     """cProfile over this chunk job: its thread and every thread it starts (the client's
-    request threads), not the pool worker's idle time between jobs."""
-    if not _PROFILE:
+    request threads), not the pool worker's idle time between jobs.  Each thread's CPU
+    time (``time.thread_time``), not wall: a thread waiting for an answer, a lock or the
+    GIL costs nothing here (the phase timers have the wall time)."""
+    if not on:
         yield
         return
     import cProfile
 
-    main = cProfile.Profile()
+    main = cProfile.Profile(time.thread_time)
     main.enable()
     _PROFILES.append(main)
     threading.setprofile(_thread_profile)
@@ -372,7 +388,9 @@ def _profiled():
         main.disable()
 
 
-def _chunk_job(cfg: dict, state: dict, chunk: str, index: str, out_dir: str) -> dict:
+def _chunk_job(
+    cfg: dict, state: dict, chunk: str, index: str, out_dir: str, profile: bool = False
+) -> dict:
     """One chunk job, as the workflow's rule runs it; its file removed after."""
     from hsextract.client import extract_chunk
     from hsextract.config import typed
@@ -381,7 +399,7 @@ def _chunk_job(cfg: dict, state: dict, chunk: str, index: str, out_dir: str) -> 
     _DONE.clear()
     out = Path(out_dir) / f"{Path(chunk).stem}.safetensors"
     cpu, t = time.process_time(), time.monotonic()
-    with _profiled():
+    with _profiled(profile):
         sc = extract_chunk(
             typed(cfg), chunk_path=Path(chunk), index_path=Path(index), out_path=out,
             sidecar_path=out.with_suffix(".json"), ensure=lambda: state, progress=False,
@@ -611,16 +629,18 @@ def one_cell(a, work: Path, chunks, index, length: int, k: int, dp: int, pools, 
         out_dir = cell / "hidden"
         out_dir.mkdir()
         per_token = 2 * a.hidden * (k + 1)
-        half = share_s / 2
         for name in a.order:
             before, t0 = stub.cpu_s(), time.monotonic()
-            if name == "client":
-                job = partial(_chunk_job, cfg, state, index=str(index), out_dir=str(out_dir))
-                run = run_rounds(pools["client"], job, [str(c) for c in chunks], t0 + half)
-            else:
+            until = t0 + share_s * SHARES[name] / sum(SHARES[n] for n in a.order)
+            if name == "bare":
                 window = a.in_flight * dp
                 job = partial(_bare_chunk, url=stub.url, window=window, dump_dir=str(dump))
-                run = run_rounds(pools["bare"], job, [str(c) for c in chunks], t0 + half)
+            else:
+                job = partial(_chunk_job, cfg, state, index=str(index), out_dir=str(out_dir),
+                              profile=name == "profiled")  # fmt: skip
+            run = run_rounds(
+                pools["bare" if name == "bare" else "client"], job, [str(c) for c in chunks], until
+            )
             res, wall = run["results"], run["wall"]
             stub_cpu = stub.cpu_s() - before
             recs = sum(r["records"] for r in res)
@@ -642,7 +662,7 @@ def one_cell(a, work: Path, chunks, index, length: int, k: int, dp: int, pools, 
                 "stub_procs": procs, "stub_pids": [p.pid for p in stub.procs],
                 "dp_workers_seen": alive,
             }  # fmt: skip
-            if name == "client":
+            if name != "bare":
                 phases: dict[str, list[float]] = {}
                 for r in res:
                     for p, (s, c) in r["phases"].items():
@@ -665,12 +685,16 @@ def one_cell(a, work: Path, chunks, index, length: int, k: int, dp: int, pools, 
     return rows
 
 
-def _make_pool(n: int, profile: bool | None) -> ProcessPoolExecutor:
+#: A cell's time: the client unprofiled (its figures), the bare baseline, then the client
+#: again under cProfile (the profile; its rate is reported, not the headline: cProfile slows
+#: Python down, requests' and urllib3's per-request calls most).
+SHARES = {"client": 0.4, "bare": 0.3, "profiled": 0.3}
+
+
+def _make_pool(n: int, client: bool) -> ProcessPoolExecutor:
     ctx = multiprocessing.get_context("spawn")
-    if profile is None:
-        pool = ProcessPoolExecutor(n, mp_context=ctx)
-    else:
-        pool = ProcessPoolExecutor(n, mp_context=ctx, initializer=_job_init, initargs=(profile,))
+    init = _job_init if client else None
+    pool = ProcessPoolExecutor(n, mp_context=ctx, initializer=init)
     # Every worker started and imported before any clock.
     list(pool.map(_warm_sleep, [0.5] * n))
     return pool
@@ -740,13 +764,19 @@ def main() -> None:
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: seconds (the test's)")
     a = ap.parse_args()
-    if a.quick:
-        a.lengths, a.layers, a.dp, a.hidden = "128", "1", "1,2", 256
-        a.jobs, a.in_flight, a.records, a.chunk_tokens = 2, 4, 96, 128 * 12
-        a.budget_s, a.stub_procs, a.writer_threads = min(a.budget_s, 4.0), 1, 2
+    if a.quick:  # tiny sizes, where not given
+        quick = {
+            "lengths": "128", "layers": "1", "dp": "1,2", "hidden": 256, "jobs": 2,
+            "in_flight": 4, "records": 96, "chunk_tokens": 128 * 12, "budget_s": 6.0,
+            "stub_procs": 1, "writer_threads": 2,
+        }  # fmt: skip
+        for key, value in quick.items():
+            if getattr(a, key) == ap.get_default(key):
+                setattr(a, key, value)
     a.sending = a.sending or max(1, a.jobs // 2)
     a.stub_procs = a.stub_procs or max(1, (os.cpu_count() or 4) // 4)
     a.order = ["client"] + (["bare"] if a.baseline == "bare" else [])
+    a.order += [] if a.no_profile else ["profiled"]
     lengths = [int(x) for x in a.lengths.split(",")]
     layers = [int(x) for x in a.layers.split(",")]
     dps = [int(x) for x in a.dp.split(",")]
@@ -768,9 +798,9 @@ def main() -> None:
         text.append(line)
 
     try:
-        pools["client"] = _make_pool(a.jobs, None if a.no_profile else True)
+        pools["client"] = _make_pool(a.jobs, True)
         if a.baseline == "bare":
-            pools["bare"] = _make_pool(a.sending, None)
+            pools["bare"] = _make_pool(a.sending, False)
         say(f"client ceiling: -j{a.jobs}, {a.sending} sending, {a.in_flight} in flight per job "
             f"per DP worker, hidden {a.hidden}, bf16, codec {a.codec}, pieces {a.pieces} the "
             f"answer, chunked prefill {a.piece_tokens}, stub {a.stub_procs}+ processes x "
@@ -786,27 +816,28 @@ def main() -> None:
             f"{setup:.1f} s)")  # fmt: skip
         hdr = (f"{'len':>5} {'aux':>3} {'dp':>2}  {'client req/s':>12} {'GB/s':>6} "
                f"{'cores':>5}  {'bare req/s':>10} {'GB/s':>6}  {'client/bare':>11}  "
-               f"{'stub cores':>10}")  # fmt: skip
+               f"{'stub cores':>10}  {'profiled req/s':>14}")  # fmt: skip
         say(hdr)
         for L, k, d in cells:
             chunks, index = data[L]
             got = one_cell(a, work, chunks, index, L, k, d, pools, share)
-            c, b = got["client"], got.get("bare")
+            c, b, pr = got["client"], got.get("bare"), got.get("profiled")
             rows.extend(got.values())
             ratio = f"{c['requests_per_s'] / b['requests_per_s']:.3f}" if b else "-"
+            prof_rate = pr["requests_per_s"] if pr else 0.0
             say(f"{L:>5} {k:>3} {d:>2}  {c['requests_per_s']:>12,.1f} "
                 f"{c['states_gb_per_s']:>6.2f} {c['client_cores']:>5.1f}  "
                 f"{b['requests_per_s'] if b else 0:>10,.1f} "
                 f"{b['states_gb_per_s'] if b else 0:>6.2f}  {ratio:>11}  "
-                f"{c['stub_cores']:>10.1f}")  # fmt: skip
+                f"{c['stub_cores']:>10.1f}  {prof_rate:>14,.1f}")  # fmt: skip
         say("")
         say("per request, client side: wall ms by phase (summed over threads; 'per chunk' "
             "phases spread over the chunk's requests)")  # fmt: skip
         for r in rows:
-            if r["mode"] != "client":
+            if r["mode"] == "bare":
                 continue
             parts = sorted(r["phase_ms_per_request"].items(), key=lambda kv: -kv[1])
-            say(f"  L{r['length']} aux{r['layers']} dp{r['dp']}: "
+            say(f"  L{r['length']} aux{r['layers']} dp{r['dp']} {r['mode']}: "
                 + "; ".join(f"{p} {ms:.3f}" for p, ms in parts))  # fmt: skip
         leftovers = sum(r["leftover_request_dirs"] for r in rows)
         say(f"leftover request dirs in the dump dirs: {leftovers}")
