@@ -302,6 +302,7 @@ def _cpu_s(pid: int) -> float:
 # ------------------------------------------------------------------- the chunk-job side
 
 _PHASES: dict[str, list[float]] = {}
+_PHASES_LOCK = threading.Lock()
 _PROFILES: list = []
 _DONE: list[tuple[float, int]] = []  # (wall clock, tokens) of each request's rows written
 
@@ -314,9 +315,11 @@ def _timed(owner: object, name: str, phase: str) -> None:
         try:
             return fn(*a, **k)
         finally:
-            cell = _PHASES.setdefault(phase, [0.0, 0])
-            cell[0] += time.perf_counter() - t  # the GIL makes += on a float safe enough
-            cell[1] += 1
+            dt = time.perf_counter() - t
+            with _PHASES_LOCK:
+                cell = _PHASES.setdefault(phase, [0.0, 0])
+                cell[0] += dt
+                cell[1] += 1
 
     wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
     setattr(owner, name, wrapper)
@@ -705,14 +708,17 @@ def _warm_sleep(s: float) -> None:
 
 
 def _dump_own_profile(where: str) -> int:
-    """This worker's profile so far to ``<where>/prof-<pid>.pstats``; its pid."""
+    """This worker's profile since the last call to ``<where>/prof-<pid>.pstats`` (then
+    started afresh: one cell's profile at a time); its pid."""
     _dump_profile(os.path.join(where, f"prof-{os.getpid()}.pstats"))
+    _PROFILES.clear()
     time.sleep(0.05)  # let the other workers take the other tasks
     return os.getpid()
 
 
 def _collect_profiles(pool: ProcessPoolExecutor, n: int, where: Path) -> list[Path]:
-    """Every worker's profile (each accumulated over all its chunk jobs), once all is done."""
+    """Every worker's profile of the cell just run, once its work is done."""
+    where.mkdir()
     want = set(pool._processes)  # noqa: SLF001 - the workers' pids
     seen: set[int] = set()
     for _ in range(50):
@@ -722,13 +728,14 @@ def _collect_profiles(pool: ProcessPoolExecutor, n: int, where: Path) -> list[Pa
     return sorted(where.glob("prof-*.pstats"))
 
 
-def profile_text(files: list[Path], top: int) -> str:
+def profile_text(files: list[Path], top: int, full: bool = True) -> str:
     if not files:
         return "(no profile)\n"
     stats = pstats.Stats(*[str(f) for f in files])
     buf = io.StringIO()
     stats.stream = buf
-    stats.sort_stats("cumulative").print_stats(top)
+    if full:
+        stats.sort_stats("cumulative").print_stats(top)
     buf.write("\n--- hsextract's own functions, by cumulative time ---\n")
     stats.sort_stats("cumulative").print_stats("hsextract/", top)
     buf.write("\n--- by own time (tottime) ---\n")
@@ -818,9 +825,15 @@ def main() -> None:
                f"{'cores':>5}  {'bare req/s':>10} {'GB/s':>6}  {'client/bare':>11}  "
                f"{'stub cores':>10}  {'profiled req/s':>14}")  # fmt: skip
         say(hdr)
+        prof_files: list[Path] = []
+        per_cell: list[str] = []
         for L, k, d in cells:
             chunks, index = data[L]
             got = one_cell(a, work, chunks, index, L, k, d, pools, share)
+            if not a.no_profile:
+                files = _collect_profiles(pools["client"], a.jobs, work / f"prof-L{L}-k{k}-dp{d}")
+                prof_files += files
+                per_cell.append(f"===== L{L} aux{k} dp{d} =====\n" + profile_text(files, 15, False))
             c, b, pr = got["client"], got.get("bare"), got.get("profiled")
             rows.extend(got.values())
             ratio = f"{c['requests_per_s'] / b['requests_per_s']:.3f}" if b else "-"
@@ -843,9 +856,8 @@ def main() -> None:
         say(f"leftover request dirs in the dump dirs: {leftovers}")
         prof = ""
         if not a.no_profile:
-            files = _collect_profiles(pools["client"], a.jobs, work)
-            prof = profile_text(files, a.top)
-            (out / "client_ceiling.profile.txt").write_text(prof)
+            prof = "===== every cell =====\n" + profile_text(prof_files, a.top)
+            (out / "client_ceiling.profile.txt").write_text(prof + "\n".join(per_cell))
         best = max((r for r in rows if r["mode"] == "client"), key=lambda r: r["requests_per_s"])
         say(f"client ceiling: best {best['requests_per_s']:,.1f} req/s "
             f"(L{best['length']} aux{best['layers']} dp{best['dp']}), "
