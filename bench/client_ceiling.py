@@ -23,15 +23,17 @@ before the clock starts: Snakemake's own per-job start (~4 s, bench/README "Race
 these figures.  Chunk files and the dump dir are on /dev/shm (the disk is not measured).
 
 Baseline in the same run ("bare"): the same stub and records, driven by a bare sender (as
-many processes as sending turns, each the same window) that only waits for each request's
-pieces, reads their headers and unlinks them: the request rate the stub itself serves.
-client / bare is what the client's own piece handling costs; a ratio near 1 means the stub,
-not the client, was the limit (the client figure is then a lower bound).
+many processes as sending turns, each the same window, under the same byte budget) that
+only waits for each request's pieces, reads their headers and unlinks them: the request
+rate the stub itself serves.  client / bare is what the client's own piece handling costs;
+a ratio near 1 means the stub, not the client, was the limit (the client figure is then a
+lower bound).
 
 Per cell it prints records/s, GB/s of raw states, the CPU cores the chunk jobs and the stub
 used, and each request's wall time by phase (timers around the client's own functions,
-summed over threads); the report ends with the chunk jobs' cProfile, aggregated over every
-thread of every job, top functions by cumulative time.
+summed over threads).  Then the client runs once more under cProfile (each thread's CPU
+time, every thread of every job): the report ends with that profile, all cells together
+and each cell's.  The headline rates are from the unprofiled run.
 
     python bench/client_ceiling.py --out /tmp/ceiling            # the full matrix
     python bench/client_ceiling.py --quick --out /tmp/ceiling     # seconds: tiny sizes
