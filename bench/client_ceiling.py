@@ -794,8 +794,15 @@ def main() -> None:
             "in_flight": 4, "records": 96, "chunk_tokens": 128 * 12, "budget_s": 6.0,
             "stub_procs": 1, "writer_threads": 2,
         }  # fmt: skip
+        argv = sys.argv[1:]
+        given = {
+            act.dest
+            for act in ap._actions  # noqa: SLF001 - which flags the command line names
+            for opt in act.option_strings
+            if any(x == opt or x.startswith(f"{opt}=") for x in argv)
+        }
         for key, value in quick.items():
-            if getattr(a, key) == ap.get_default(key):
+            if key not in given:
                 setattr(a, key, value)
     a.sending = a.sending or max(1, a.jobs // 2)
     a.stub_procs = a.stub_procs or max(1, (os.cpu_count() or 4) // 4)
