@@ -440,6 +440,10 @@ class EngineServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # An answer goes out as two writes (headers, body); on a kept-alive connection
+            # Nagle holds the second until the client's delayed ACK of the first: ~40 ms a
+            # request (seen by bench/client_ceiling.py's stub).  SGLang's server sends at once.
+            disable_nagle_algorithm = True
 
             def log_message(self, fmt: str, *args: object) -> None:
                 log.debug("%s " + fmt, self.address_string(), *args)
