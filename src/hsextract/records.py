@@ -1358,6 +1358,44 @@ def _write_atomic(path: Path, data: bytes) -> None:
             tmp.unlink()
 
 
+def publish(staged: Sequence[Path], published: Sequence[Path]) -> None:
+    """Put each staged file under its published name: a hard link (no copy of a ~80 GB
+    train.jsonl, no second disk's worth) made under a temp name and renamed over the old.
+
+    Why a stage writes to one name and its readers read another: Snakemake removes a job's
+    outputs before it runs and a failed job's after, so a merge that fails on a bad input
+    (too many rejects) took the finished run's train.jsonl and stats.json with it, and a
+    trainer reading the run broke until the input was fixed.  The published files are no
+    job's output but this one's, which runs only after a merge succeeded.  A filesystem
+    without hard links gets a copy (same temp name, fsync'ed, renamed).  Temp files a
+    killed publish left go first.
+    """
+    for src, dst in zip(staged, published, strict=True):
+        src, dst = Path(src), Path(dst)
+        _remove_dead_temps(dst.parent, _MERGE_OUTPUTS)
+        tmp = _tmp_name(dst)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            try:
+                os.link(src, tmp)
+            except OSError as exc:
+                if exc.errno in (errno.ENOENT, *_DISK_FULL):
+                    raise
+                # EPERM, EXDEV, EMLINK, ENOTSUP ...: links not to be had here.
+                with _disk_full_is_an_error(dst, src.stat().st_size):
+                    shutil.copyfile(src, tmp)
+                    fd = os.open(tmp, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+            os.replace(tmp, dst)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+
+
 def _histogram(lengths: np.ndarray, max_seq_len: int) -> list[dict[str, int]]:
     """Power-of-two bins capped at max_seq_len: [1,1], [2,3], [4,7], ..., [.., max]."""
     edges = [1]
@@ -1422,13 +1460,15 @@ def merge_and_shuffle(
     vocab_size: int | None,
     max_reject_fraction: float,
     workers: int | None = None,
+    failed_rejects: Path | None = None,
 ) -> dict[str, Any]:
     """Validate every input line, drop or truncate over-long records, shuffle, write.
 
     Writes ``train.jsonl``, ``stats.json`` and ``rejects.jsonl`` in ``out_dir`` and returns
     the stats.  ``inputs`` holds paths and globs, expanded here (sorted).  When more than
     ``max_reject_fraction`` of the records are malformed it writes stats and rejects (also
-    to :data:`FAILED_REJECTS`), not train.jsonl, and raises RejectFractionError.  The three
+    to ``failed_rejects``, default ``out_dir/``:data:`FAILED_REJECTS`), not train.jsonl,
+    and raises RejectFractionError.  The three
     outputs are renamed into place only once all are written: a full disk raises
     :class:`DiskFullError` and leaves none of them new, and no temp file.  What a merge
     killed earlier left here (its temp files, pool workers that outlived it) goes first.
@@ -1444,6 +1484,9 @@ def merge_and_shuffle(
     # A merge killed mid-write (SIGKILL: no finally ran) left a full-size temp file and
     # maybe pool workers: they go before this merge writes anything.
     _clean_after_killed(out_dir, _MERGE_OUTPUTS)
+    failed_rejects = Path(failed_rejects or out_dir / FAILED_REJECTS)
+    if failed_rejects.parent != out_dir:
+        _remove_dead_temps(failed_rejects.parent, _MERGE_OUTPUTS)
     limits = _Limits(vocab_size or INT32_BOUND, max_seq_len, overlength)
     workers = workers or min(os.cpu_count() or 1, 8)
     read = input_identity(files)
@@ -1479,7 +1522,7 @@ def merge_and_shuffle(
         if _fails(stats):
             hash_inputs()
             add_digests()
-        _check_fraction(stats, out_dir, len(files), col.rejects, rejects)
+        _check_fraction(stats, out_dir, len(files), col.rejects, rejects, failed_rejects)
         # A permutation of canonical (file, line) order: a function of seed and kept set.
         order = np.random.Generator(np.random.PCG64(seed)).permutation(len(col.kept.file))
         train = out_dir / "train.jsonl"
@@ -1502,7 +1545,7 @@ def merge_and_shuffle(
                 with contextlib.suppress(FileNotFoundError):
                     tmp.unlink()
     # A failed merge's rejects are of inputs that have since been fixed.
-    (out_dir / FAILED_REJECTS).unlink(missing_ok=True)
+    failed_rejects.unlink(missing_ok=True)
     return stats
 
 
@@ -1533,11 +1576,12 @@ def _check_fraction(
     n_files: int,
     rejects: Sequence[dict[str, Any]],
     rejects_bytes: bytes,
+    failed_rejects: Path,
 ) -> None:
     """Fail (after writing stats.json) on no records or too many malformed ones.
 
-    The rejects of a failed merge also go to :data:`FAILED_REJECTS`, which the message
-    names: Snakemake deletes a failed job's outputs, rejects.jsonl with them.
+    The rejects of a failed merge also go to ``failed_rejects``, which the message names:
+    Snakemake deletes a failed job's outputs, rejects.jsonl with them.
     """
     if stats["records_in"] == 0:
         _write_atomic(out_dir / "rejects.jsonl", rejects_bytes)
@@ -1547,13 +1591,13 @@ def _check_fraction(
     if _fails(stats):
         _write_atomic(out_dir / "rejects.jsonl", rejects_bytes)
         _write_atomic(out_dir / "stats.json", _dump_json(stats))
-        _write_atomic(out_dir / FAILED_REJECTS, rejects_bytes)
+        _write_atomic(failed_rejects, rejects_bytes)
         reasons = ", ".join(f"{k}: {v}" for k, v in stats["rejected_by_reason"].items())
         raise RejectFractionError(
             f"{stats['rejected']} of {stats['records_in']} records rejected "
             f"({stats['reject_fraction']:.2%}) > merge.max_reject_fraction={bound} "
             f"({reasons}); first: {reject_examples(rejects)}. All are in "
-            f"{out_dir / FAILED_REJECTS}; fix the inputs or raise merge.max_reject_fraction"
+            f"{failed_rejects}; fix the inputs or raise merge.max_reject_fraction"
         )
 
 
