@@ -30,6 +30,7 @@ include: "rules/export.smk"
 localrules:
     extract_all,
     merge_and_shuffle,
+    publish_merge,
     split_chunks,
     chunk_index,
     delete_stale_states,
@@ -52,10 +53,10 @@ rule extract_all:
     input:
         hidden=expand(run_path("hidden/chunk_{chunk}.safetensors"), chunk=CHUNK_IDS),
         manifest=run_path("manifest.json"),
-        # What the exports and the chunk jobs read besides the chunks: a train.jsonl removed
-        # by a failed merge (Snakemake deletes a job's outputs before running it) is a missing
-        # input here, so the merge reruns once its input is fixed -- not "Nothing to be done"
-        # over a run the export then calls broken.
+        # What the exports and the chunk jobs read besides the chunks: the merge's published
+        # files (a failed merge leaves them as they were, rules/data.smk); one removed is a
+        # missing input here, so it is published again -- not "Nothing to be done" over a
+        # run the export then calls broken.
         merged=[run_path("merged/train.jsonl"), run_path("merged/stats.json")],
         index=run_path("chunks/index.json"),
         settings=settings_files(),

@@ -16,6 +16,7 @@ from hsextract.config import (
     settings_digest,
     stage_settings,
     typed,
+    where_set,
 )
 from hsextract.config import demo_shards as config_demo_shards
 from hsextract.config import input_shards as config_input_shards
@@ -41,6 +42,10 @@ from hsextract.stale import hold_run_lock, preview
 _loaded = load_config(workflow.overwrite_configfiles, dict(workflow.config_settings.config))
 config.clear()
 config.update(_loaded)
+# Which --configfile (or --config) set max_seq_len: the merge names it when it cuts many.
+MAX_SEQ_LEN_FROM = where_set(
+    "max_seq_len", workflow.overwrite_configfiles, dict(workflow.config_settings.config)
+)
 # The rules read the config typed (CFG.server.host); the dict stays Snakemake's, for the
 # scripts (steps.py types it again) and for what is hashed of it as written.
 CFG = typed(config)

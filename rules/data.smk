@@ -1,11 +1,15 @@
+# The merge writes to merged/.next/ and publish_merge links its files to merged/: Snakemake
+# deletes a job's outputs before it runs and a failed job's after, so a merge failing on a
+# bad input took the finished run's train.jsonl and stats.json with it (issue 38).  Only
+# the staged files are the merge's; the published ones change once a merge succeeded.
 rule merge_and_shuffle:
     input:
         shards=MERGE_INPUTS,
         model_config=model_config_file(),
     output:
-        train=run_path("merged/train.jsonl"),
-        stats=run_path("merged/stats.json"),
-        rejects=run_path("merged/rejects.jsonl"),
+        train=run_path("merged/.next/train.jsonl"),
+        stats=run_path("merged/.next/stats.json"),
+        rejects=run_path("merged/.next/rejects.jsonl"),
         settings=settings_file("merged", "settings", MERGE_SETTINGS),
     log:
         run_path("logs/merge_and_shuffle.log"),
@@ -13,10 +17,30 @@ rule merge_and_shuffle:
         run_path("benchmarks/merge_and_shuffle.tsv")
     params:
         settings=MERGE_SETTINGS,
+        failed_rejects=run_path("merged/rejects-failed.jsonl"),
+        # Named when max_seq_len cuts many records (merge.warn_overlength_fraction).
+        max_seq_len_from=MAX_SEQ_LEN_FROM,
     conda:
         "../envs/hsextract.yaml"
     script:
         "../scripts/merge_and_shuffle.py"
+
+
+rule publish_merge:
+    input:
+        train=run_path("merged/.next/train.jsonl"),
+        stats=run_path("merged/.next/stats.json"),
+        rejects=run_path("merged/.next/rejects.jsonl"),
+    output:
+        train=run_path("merged/train.jsonl"),
+        stats=run_path("merged/stats.json"),
+        rejects=run_path("merged/rejects.jsonl"),
+    log:
+        run_path("logs/publish_merge.log"),
+    conda:
+        "../envs/hsextract.yaml"
+    script:
+        "../scripts/publish_merge.py"
 
 
 rule split_chunks:

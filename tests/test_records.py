@@ -252,6 +252,56 @@ def test_fast_path_agrees_with_slow_path(ids: list[int], bound: int, style: int)
         assert res.tokens.tolist() == [len(ids)]
 
 
+@st.composite
+def _array_text(draw: st.DrawFn, n: int, good: st.SearchStrategy[str], bad: list[str]) -> str:
+    """An array's text as found in a file: each separator ',' or ', ' (mixed at will), and
+    at most one bad token (leading zero, sign, empty, stray space), so that a line is
+    rejected for that token alone or accepted."""
+    items = draw(st.lists(good, min_size=n, max_size=n))
+    if items and draw(st.booleans()):
+        items[draw(st.integers(0, len(items) - 1))] = draw(st.sampled_from(bad))
+    text = ""
+    for i, tok in enumerate(items):
+        text += (draw(st.sampled_from([",", ", "])) if i else "") + tok
+    return f"[{text}]"
+
+
+_BAD_IDS = ["00", "01", "-1", "1.0", "1000", "", " 1", "1 ", "1e2"]
+_BAD_MASK = ["2", "01", "00", " 0", "", "0 "]
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    lines=st.lists(
+        st.integers(0, 6).flatmap(
+            lambda n: st.tuples(
+                _array_text(n, st.integers(0, VOCAB - 1).map(str), _BAD_IDS),
+                _array_text(n, st.sampled_from(["0", "1"]), _BAD_MASK),
+            )
+        ),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_fast_path_agrees_with_slow_path_on_mixed_blocks(lines: list[tuple[str, str]]) -> None:
+    """Several lines checked as one block (as the merge does), each array in either
+    separator style or a mix: a block's fast check must accept exactly the lines the slow
+    path accepts, with their token and loss counts.  The fast path steps over the space
+    after a comma where it lies: a wrong offset would accept or miscount here."""
+    raws = [f'{{"id": {i}, "input_ids": {a}, "loss_mask": {m}}}'.encode() for i, (a, m) in
+            enumerate(lines)]  # fmt: skip
+    limits = _Limits(VOCAB, None, "truncate")
+    res = scan_bytes(b"\n".join(raws) + b"\n", 0, limits)
+    want = {}
+    for i, raw in enumerate(raws):
+        obj, problem = records._slow_line(raw, limits)
+        if problem is None:
+            want[str(i)] = (len(obj["input_ids"]), sum(obj["loss_mask"]))
+    got = dict(zip(res.ids, zip(res.tokens.tolist(), res.loss_tokens.tolist(), strict=True),
+                   strict=True))  # fmt: skip
+    assert got == want
+
+
 @pytest.mark.parametrize(
     ("vocab", "token", "ok"),
     [(129280, 129279, True), (129280, 129280, False), (100, 99, True), (100, 100, False),

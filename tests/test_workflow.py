@@ -30,9 +30,9 @@ from hsextract.chunks import ChunkReader, check_chunk, sha256_file
 pytestmark = pytest.mark.workflow
 
 STAGES = {
-    "demo_data", "demo_model", "merge_and_shuffle", "split_chunks", "delete_stale_states",
-    "preflight_budget", "apply_patch", "gpu_gate", "launch_server", "manifest", "report_figures",
-    "extract_all",
+    "demo_data", "demo_model", "merge_and_shuffle", "publish_merge", "split_chunks",
+    "delete_stale_states", "preflight_budget", "apply_patch", "gpu_gate", "launch_server",
+    "manifest", "report_figures", "extract_all",
 }  # fmt: skip
 
 

@@ -74,6 +74,34 @@ def load_config(
     return cfg
 
 
+def where_set(
+    key: str,
+    configfiles: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> str:
+    """Where ``key`` (dotted) got its value, as :func:`load_config` reads the sources:
+    ``--config``, else the last config file setting it, else the schema's default.
+
+    For messages that name a value the user may not know they set: with ``--configfile
+    config.yaml my.yaml`` the demo's ``max_seq_len: 512`` applied to the user's data.
+    """
+    parts = key.split(".")
+
+    def has(node: Any) -> bool:
+        for p in parts:
+            if not isinstance(node, Mapping) or p not in node:
+                return False
+            node = node[p]
+        return True
+
+    if has(nest(overrides or {})):
+        return "--config"
+    for f in reversed(config_files(configfiles)):
+        if has(read_config_file(f)):
+            return f"config file {f}"
+    return "the default"
+
+
 def read_config(
     configfiles: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
     overrides: Mapping[str, Any] | None = None,

@@ -61,6 +61,8 @@ class MergeConfig:
     overlength: str = "truncate"
     #: the merge fails when more records than this are rejected
     max_reject_fraction: float = 0.0
+    #: the merge warns on the terminal when more records than this are truncated or dropped
+    warn_overlength_fraction: float = 0.05
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -36,7 +36,7 @@ import signal
 import stat
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import get_context
@@ -349,56 +349,65 @@ def _value_span(buf: bytes, lo: int, hi: int, key: bytes) -> tuple[int, int]:
     return (i, e) if e > 0 else (-1, -1)
 
 
-def _squeeze(parts: list[memoryview], allowed: bytes) -> tuple[np.ndarray, np.ndarray] | None:
-    """Join spans with ',' after each and drop the space after commas.
+def _join(parts: list[memoryview], allowed: bytes) -> tuple[np.ndarray, np.ndarray, bool] | None:
+    """Join spans with a separator after each: (bytes as uint8, each span's end, spaced).
 
-    Returns the bytes as uint8 and each span's end offset, or None when a span holds a
-    byte outside ``allowed`` or a space anywhere but right after a comma.  Python's
-    json.dumps writes ``[1, 2]``; that space is insignificant JSON whitespace, and
-    dropping it lets one digit-and-comma check cover both styles.  Done with numpy:
-    bytes.replace ran at ~0.3 GB/s here, a third of the whole budget.
+    None when a span holds a byte outside ``allowed`` or a space anywhere but right after
+    a comma.  Python's json.dumps writes ``[1, 2]``: that space is insignificant JSON
+    whitespace, so a block written that way is joined with ``", "`` (it keeps one stride)
+    and the checks step over the spaces where they lie.  Squeezing
+    them out instead (a boolean compaction and a count per span) cost as much as all the
+    checks of a compact block: half the inputs are written that way.
     """
-    joined = b",".join(parts) + b","
+    # The first span's style picks the separator (a block mixing styles is still checked
+    # right, only not in one stride); one join, not a compact one and then a spaced one.
+    sep = b", " if b", " in bytes(parts[0][:64]) else b","
+    joined = sep.join(parts) + sep
     if joined.translate(None, allowed + b" "):
         return None  # signs, dots, exponents, quotes, tabs ...
+    spaced = joined.find(b" ") >= 0
     u = np.frombuffer(joined, np.uint8)
-    starts = np.zeros(len(parts), np.int64)
-    np.cumsum(np.fromiter((len(p) + 1 for p in parts[:-1]), np.int64, len(parts) - 1),
-              out=starts[1:])  # fmt: skip
-    ends = np.append(starts[1:], len(u))
-    if joined.find(b" ") < 0:
-        return u, ends
-    space = u == 32
-    if space[0] or (space[1:] & (u[:-1] != 44)).any():
-        return None  # "1 2", "1 ,2", "[ 1" ...: let the slow path decide
-    per_span = np.fromiter(
-        (joined.count(b" ", a, b) for a, b in zip(starts.tolist(), ends.tolist(), strict=True)),
-        np.int64,
-        len(parts),
-    )
-    return u[~space], ends - np.cumsum(per_span)
+    ends = np.cumsum(np.fromiter((len(p) + len(sep) for p in parts), np.int64, len(parts)))
+    if spaced:
+        space = u == 32
+        if space[0] or (space[1:] & (u[:-1] != 44)).any():
+            return None  # "1 2", "1 ,2", "[ 1" ...: let the slow path decide
+    return u, ends, spaced
+
+
+def _token_gaps(u: np.ndarray, spaced: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The comma ending each token, and each token's digit count + 1 (a space after the
+    comma before it not counted)."""
+    commas = np.flatnonzero(u == 44)
+    gaps = np.diff(commas, prepend=-1)
+    if spaced:
+        gaps[1:] -= u[commas[:-1] + 1] == 32
+    return commas, gaps
 
 
 def _check_ids_block(parts: list[memoryview], bound: int) -> np.ndarray | None:
     """Token counts of each span if all are valid non-negative int arrays below bound.
 
-    Works on the digits: after joining with ',' every token ends at a comma, so gaps
-    between comma positions are token lengths.  Returns None if any span is not a plain
-    array of in-range ints (the caller then checks spans one by one).
+    Works on the digits: after joining, every token ends at a comma, so gaps between
+    comma positions are token lengths.  Returns None if any span is not a plain array of
+    in-range ints (the caller then checks spans one by one).
     """
-    squeezed = _squeeze(parts, _IDS_CHARS)
-    if squeezed is None:
+    joined = _join(parts, _IDS_CHARS)
+    if joined is None:
         return None
-    u, ends = squeezed
-    commas = np.flatnonzero(u == 44)
-    gaps = np.diff(commas, prepend=-1)  # token length + 1
+    u, ends, spaced = joined
+    commas, gaps = _token_gaps(u, spaced)
     bstr = str(bound - 1).encode()
     if gaps.min() < 2 or gaps.max() > len(bstr) + 1:
         return None  # empty token ([], ',,', trailing comma) or too many digits
-    # Leading zeros are invalid JSON: a token starting with '0' that is not just "0".
+    # Leading zeros are invalid JSON: a token starting with '0' that is not just "0".  A
+    # token starts after a comma, or after the space that may follow one.
     if u[0] == 48 and u[1] != 44:
         return None
-    if ((u[:-2] == 44) & (u[1:-1] == 48) & (u[2:] != 44)).any():
+    before = u[:-2] == 44
+    if spaced:
+        before |= u[:-2] == 32
+    if (before & (u[1:-1] == 48) & (u[2:] != 44)).any():
         return None
     if not _below_bound(u, commas, gaps, bstr):
         return None
@@ -441,15 +450,28 @@ def _below_bound_wide(u: np.ndarray, cand: np.ndarray, bstr: bytes) -> bool:
 def _check_mask_block(parts: list[memoryview]) -> np.ndarray | None:
     """Lengths of each 0/1 span if all are valid, else None.
 
-    Joined with ',' a valid block alternates digit, comma, digit, comma ... exactly.
+    Joined, a valid block is digit, comma (, space) repeated exactly: one stride for a
+    block of one style.  A block mixing ``[0,1]`` and ``[0, 1]`` is checked token by
+    token: every gap between commas holds one digit.
     """
-    squeezed = _squeeze(parts, _MASK_CHARS)
-    if squeezed is None:
+    joined = _join(parts, _MASK_CHARS)
+    if joined is None:
         return None
-    u, ends = squeezed
-    if len(u) % 2 or not (u[1::2] == 44).all() or (u[0::2] == 44).any():
+    u, ends, spaced = joined
+    step = 3 if spaced else 2
+    if (
+        len(u) % step == 0
+        and (u[1::step] == 44).all()
+        and (u[0::step] >= 48).all()
+        and (not spaced or (u[2::step] == 32).all())
+    ):
+        return np.diff(ends, prepend=0) // step
+    if not spaced:
         return None
-    return np.diff(ends, prepend=0) // 2
+    commas, gaps = _token_gaps(u, spaced)
+    if not (gaps == 2).all():
+        return None
+    return np.diff(np.searchsorted(commas, ends - 1, side="right"), prepend=0)
 
 
 @dataclass
@@ -1228,10 +1250,13 @@ def _write_records(
     order: np.ndarray,
     parts: int,
     final: Path | None = None,
+    while_syncing: Callable[[], Any] | None = None,
 ) -> int:
     """Write kept records in ``order`` as ``parts`` slices at known offsets, then fsync.
 
     ``final``: the name ``out_path`` (a temp file) becomes, for a full disk's message.
+    ``while_syncing``: called once the slices are written, before the fsync; what it
+    submits to the pool runs while this process waits on the disk.
     """
     items: list[_Item] = [
         (
@@ -1265,6 +1290,8 @@ def _write_records(
             raise InputError(
                 f"wrote {written} bytes to {out_path}, planned {total}; inputs changed?"
             )
+        if while_syncing is not None:
+            while_syncing()
         fd = os.open(out_path, os.O_RDONLY)
         try:
             os.fsync(fd)  # NFS and quotas may report a full disk only here
@@ -1331,6 +1358,44 @@ def _write_atomic(path: Path, data: bytes) -> None:
             tmp.unlink()
 
 
+def publish(staged: Sequence[Path], published: Sequence[Path]) -> None:
+    """Put each staged file under its published name: a hard link (no copy of a ~80 GB
+    train.jsonl, no second disk's worth) made under a temp name and renamed over the old.
+
+    Why a stage writes to one name and its readers read another: Snakemake removes a job's
+    outputs before it runs and a failed job's after, so a merge that fails on a bad input
+    (too many rejects) took the finished run's train.jsonl and stats.json with it, and a
+    trainer reading the run broke until the input was fixed.  The published files are no
+    job's output but this one's, which runs only after a merge succeeded.  A filesystem
+    without hard links gets a copy (same temp name, fsync'ed, renamed).  Temp files a
+    killed publish left go first.
+    """
+    for src, dst in zip(staged, published, strict=True):
+        src, dst = Path(src), Path(dst)
+        _remove_dead_temps(dst.parent, _MERGE_OUTPUTS)
+        tmp = _tmp_name(dst)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            try:
+                os.link(src, tmp)
+            except OSError as exc:
+                if exc.errno in (errno.ENOENT, *_DISK_FULL):
+                    raise
+                # EPERM, EXDEV, EMLINK, ENOTSUP ...: links not to be had here.
+                with _disk_full_is_an_error(dst, src.stat().st_size):
+                    shutil.copyfile(src, tmp)
+                    fd = os.open(tmp, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+            os.replace(tmp, dst)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+
+
 def _histogram(lengths: np.ndarray, max_seq_len: int) -> list[dict[str, int]]:
     """Power-of-two bins capped at max_seq_len: [1,1], [2,3], [4,7], ..., [.., max]."""
     edges = [1]
@@ -1395,13 +1460,15 @@ def merge_and_shuffle(
     vocab_size: int | None,
     max_reject_fraction: float,
     workers: int | None = None,
+    failed_rejects: Path | None = None,
 ) -> dict[str, Any]:
     """Validate every input line, drop or truncate over-long records, shuffle, write.
 
     Writes ``train.jsonl``, ``stats.json`` and ``rejects.jsonl`` in ``out_dir`` and returns
     the stats.  ``inputs`` holds paths and globs, expanded here (sorted).  When more than
     ``max_reject_fraction`` of the records are malformed it writes stats and rejects (also
-    to :data:`FAILED_REJECTS`), not train.jsonl, and raises RejectFractionError.  The three
+    to ``failed_rejects``, default ``out_dir/``:data:`FAILED_REJECTS`), not train.jsonl,
+    and raises RejectFractionError.  The three
     outputs are renamed into place only once all are written: a full disk raises
     :class:`DiskFullError` and leaves none of them new, and no temp file.  What a merge
     killed earlier left here (its temp files, pool workers that outlived it) goes first.
@@ -1417,6 +1484,9 @@ def merge_and_shuffle(
     # A merge killed mid-write (SIGKILL: no finally ran) left a full-size temp file and
     # maybe pool workers: they go before this merge writes anything.
     _clean_after_killed(out_dir, _MERGE_OUTPUTS)
+    failed_rejects = Path(failed_rejects or out_dir / FAILED_REJECTS)
+    if failed_rejects.parent != out_dir:
+        _remove_dead_temps(failed_rejects.parent, _MERGE_OUTPUTS)
     limits = _Limits(vocab_size or INT32_BOUND, max_seq_len, overlength)
     workers = workers or min(os.cpu_count() or 1, 8)
     read = input_identity(files)
@@ -1431,17 +1501,28 @@ def merge_and_shuffle(
     }
     with _pool(workers, sum(r["bytes"] for r in read), out_dir / WORKERS_DIR) as pool:
         col = _Collector(files, limits)
-        scans = _map_lazy(pool, _scan_task, tasks)
-        # Queued behind the scans: each input's sha256, for `hsextract verify`.  The
-        # workflow itself compares only sizes and mtimes, which cost no read.
-        digests = _map_lazy(pool, _sha256_file, files)
-        for task, res in zip(tasks, scans, strict=True):
+        for task, res in zip(tasks, _map_lazy(pool, _scan_task, tasks), strict=True):
             col.add(file_of[task[0]], res)
-        for rec, digest in zip(read, digests, strict=True):
-            rec["sha256"] = digest
+        # Each input's sha256, for `hsextract verify` (the workflow itself compares only
+        # sizes and mtimes, which cost no read): hashed by the pool while this process
+        # waits for train.jsonl's fsync, when the cores are otherwise idle (bench/merge.py:
+        # queued behind the scans it cost ~0.4 s of a ~3 s merge).  stats["inputs"] is
+        # ``read`` itself, so the digests land in it.
+        hashing: list[Iterator[str]] = []
         stats = _stats(read, col, params)
         rejects = b"".join(orjson.dumps(r) + b"\n" for r in col.rejects)
-        _check_fraction(stats, out_dir, len(files), col.rejects, rejects)
+
+        def hash_inputs() -> None:
+            hashing.append(_map_lazy(pool, _sha256_file, files))
+
+        def add_digests() -> None:
+            for rec, digest in zip(read, hashing.pop(), strict=True):
+                rec["sha256"] = digest
+
+        if _fails(stats):
+            hash_inputs()
+            add_digests()
+        _check_fraction(stats, out_dir, len(files), col.rejects, rejects, failed_rejects)
         # A permutation of canonical (file, line) order: a function of seed and kept set.
         order = np.random.Generator(np.random.PCG64(seed)).permutation(len(col.kept.file))
         train = out_dir / "train.jsonl"
@@ -1450,8 +1531,9 @@ def merge_and_shuffle(
         tmps = {train: _tmp_name(train)}
         try:
             stats["bytes_out"] = _write_records(
-                pool, tmps[train], files, col.kept, order, workers, final=train
+                pool, tmps[train], files, col.kept, order, workers, train, hash_inputs
             )
+            add_digests()
             if input_changes(read):
                 raise InputError("input files changed during the merge; rerun it")
             tmps[out_dir / "rejects.jsonl"] = _write_tmp(out_dir / "rejects.jsonl", rejects)
@@ -1463,7 +1545,7 @@ def merge_and_shuffle(
                 with contextlib.suppress(FileNotFoundError):
                     tmp.unlink()
     # A failed merge's rejects are of inputs that have since been fixed.
-    (out_dir / FAILED_REJECTS).unlink(missing_ok=True)
+    failed_rejects.unlink(missing_ok=True)
     return stats
 
 
@@ -1480,33 +1562,42 @@ def reject_examples(
     return "; ".join(shown) + more
 
 
+def _fails(stats: dict[str, Any]) -> bool:
+    """Whether :func:`_check_fraction` will fail this merge."""
+    return (
+        stats["records_in"] == 0
+        or stats["reject_fraction"] > stats["params"]["max_reject_fraction"]
+    )
+
+
 def _check_fraction(
     stats: dict[str, Any],
     out_dir: Path,
     n_files: int,
     rejects: Sequence[dict[str, Any]],
     rejects_bytes: bytes,
+    failed_rejects: Path,
 ) -> None:
     """Fail (after writing stats.json) on no records or too many malformed ones.
 
-    The rejects of a failed merge also go to :data:`FAILED_REJECTS`, which the message
-    names: Snakemake deletes a failed job's outputs, rejects.jsonl with them.
+    The rejects of a failed merge also go to ``failed_rejects``, which the message names:
+    Snakemake deletes a failed job's outputs, rejects.jsonl with them.
     """
     if stats["records_in"] == 0:
         _write_atomic(out_dir / "rejects.jsonl", rejects_bytes)
         _write_atomic(out_dir / "stats.json", _dump_json(stats))
         raise InputError(f"no records in {n_files} input file(s) (config key: inputs)")
     bound = stats["params"]["max_reject_fraction"]
-    if stats["reject_fraction"] > bound:
+    if _fails(stats):
         _write_atomic(out_dir / "rejects.jsonl", rejects_bytes)
         _write_atomic(out_dir / "stats.json", _dump_json(stats))
-        _write_atomic(out_dir / FAILED_REJECTS, rejects_bytes)
+        _write_atomic(failed_rejects, rejects_bytes)
         reasons = ", ".join(f"{k}: {v}" for k, v in stats["rejected_by_reason"].items())
         raise RejectFractionError(
             f"{stats['rejected']} of {stats['records_in']} records rejected "
             f"({stats['reject_fraction']:.2%}) > merge.max_reject_fraction={bound} "
             f"({reasons}); first: {reject_examples(rejects)}. All are in "
-            f"{out_dir / FAILED_REJECTS}; fix the inputs or raise merge.max_reject_fraction"
+            f"{failed_rejects}; fix the inputs or raise merge.max_reject_fraction"
         )
 
 
