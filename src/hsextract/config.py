@@ -445,6 +445,7 @@ def check_inputs_outside_output_root(cfg: dict) -> None:
     written = [
         f"{root}/0123456789ab/merged/train.jsonl",
         f"{root}/0123456789ab/merged/rejects.jsonl",
+        f"{root}/0123456789ab/merged/.next/train.jsonl",  # the merge's, before publish_merge
         f"{root}/0123456789ab/chunks/chunk_00000.jsonl",
     ]  # (the demo's shards under output_root/demo are inputs, made by its own rule)
     for entry in cfg.get("inputs") or []:
