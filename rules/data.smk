@@ -37,6 +37,8 @@ rule publish_merge:
         rejects=run_path("merged/rejects.jsonl"),
     log:
         run_path("logs/publish_merge.log"),
+    benchmark:
+        run_path("benchmarks/publish_merge.tsv")
     conda:
         "../envs/hsextract.yaml"
     script:
