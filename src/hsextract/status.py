@@ -371,7 +371,7 @@ def _workflow_holders(rd: Path) -> list[str]:
     """Workflows holding the run (``state/active/<host>-<pid>.lock``, flock'ed while alive).
 
     Probed by :func:`hsextract.stale.lock_held`: never blocks, never creates
-    or removes a lock file (``stale.active_holders`` tidies dead ones; a status must not).
+    or removes a lock file (``stale.claim_run`` tidies dead ones; a status must not).
     """
     from hsextract.stale import lock_held
 
@@ -379,8 +379,9 @@ def _workflow_holders(rd: Path) -> list[str]:
     host = socket.gethostname()
     with contextlib.suppress(OSError):
         for entry in sorted(os.scandir(rd / "state" / "active"), key=lambda e: e.name):
-            name = entry.name.removesuffix(".lock")
-            lhost, _, pid = name.rpartition("-")
+            if entry.name.startswith(".") or not entry.name.endswith(".lock"):
+                continue  # the claim lock, a lock file being created
+            lhost, _, pid = entry.name.removesuffix(".lock").rpartition("-")
             if lhost != host:
                 out.append(f"{lhost}:{pid}")  # cannot be checked from here
             elif lock_held(entry.path):
