@@ -13,6 +13,11 @@ from typing import Any
 from hsextract.errors import HsextractError
 from hsextract.interrupt import INTERRUPTED_EXIT, interrupted_message
 
+#: A job's last log line once its step returned: whatever error it logged before (one it
+#: recovered from, a traceback a library printed) is history, not the run's state
+#: (``hsextract status`` reads no error above it).
+JOB_DONE = "hsextract: job done"
+
 
 def run_step(snakemake: Any, step: Callable[[Any], None]) -> None:
     """Run one stage with stdout/stderr going to the rule's log file.
@@ -34,6 +39,7 @@ def run_step(snakemake: Any, step: Callable[[Any], None]) -> None:
     )
     try:
         step(snakemake)
+        print(f"{JOB_DONE} [{snakemake.rule}]", flush=True)
     except HsextractError as exc:
         print(f"ERROR [{snakemake.rule}]: {exc}", flush=True)
         sys.__stderr__.write(f"hsextract [{snakemake.rule}]: {exc}\n")
