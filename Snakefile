@@ -74,10 +74,6 @@ from hsextract.interrupt import keep_ctrl_c
 keep_ctrl_c()
 
 
-onstart:
-    hold_run()
-
-
 onsuccess:
     stop_servers()
 

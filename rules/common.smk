@@ -32,7 +32,8 @@ from hsextract.server import (
     stop_live,
 )
 from hsextract.sizing import sizing_report
-from hsextract.stale import hold_run_lock, preview
+from hsextract.smk import runs_jobs
+from hsextract.stale import claim_run, preview
 
 # The one way a config is read (hsextract.config.load_config, the CLI's too): the
 # --configfile files or ./config.yaml, then --config (dotted keys allowed; its values
@@ -51,6 +52,13 @@ MAX_SEQ_LEN_FROM = where_set(
 CFG = typed(config)
 
 RUN = run_dir(CFG)
+# One workflow per run dir at a time, whatever its working directory (Snakemake's own lock
+# is per directory): a second one is refused here, before it or a job touches anything
+# (stale.claim_run).  The main process only, when it may run jobs: its jobs (a nested
+# Snakemake, or one on a SLURM node) work under its hold, and a dry run touches nothing.
+# The hold is released, and its file removed, when this process exits.
+if inherited_owner() is None and workflow.is_main_process and runs_jobs():
+    claim_run(RUN, os.getpid())
 # What one server takes: a chunk job's GPUs (its group's allocation under SLURM asks this).
 SERVER_GPUS = server_gpu_count(CFG)
 FINGERPRINT = fingerprint(CFG)
@@ -198,11 +206,6 @@ if MAIN and workflow.is_main_process:
     if CHUNK_SIZING is not None:
         for line in sizing_report(CFG, CHUNK_SIZING):
             print(f"hsextract: {line}", file=sys.stderr)
-
-
-def hold_run():
-    """While this workflow runs, stale deletion elsewhere leaves this run dir alone."""
-    hold_run_lock(RUN, int(os.environ[OWNER_ENV]))
 
 
 def stop_servers():

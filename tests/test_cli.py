@@ -110,6 +110,62 @@ def test_verify_on_what_is_not_a_manifest_says_so_in_one_sentence(tmp_path, kind
     assert "pass the manifest.json of a run" in line
 
 
+def test_server_start_outlives_the_shell_that_ran_it_until_server_stop(demo_copy):
+    """Issue 38, item 13: `hsextract server start` printed a URL, then its watchdog
+    stopped the server as soon as the shell that ran it (its owner) ended.  Started
+    outside a workflow it has no owner and no watchdog, says so, and runs until
+    `hsextract server stop`."""
+    from fixtures_demo import kill_processes_under, poll, processes_under, wait_until_gone
+
+    from hsextract.server import pid_alive
+
+    wd, rd = demo_copy["workdir"], demo_copy["run_dir"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HSEXTRACT_OWNER")}
+    try:
+        # A shell that ends right after the command, as a script or `ssh host cmd` does.
+        shell = subprocess.run(
+            ["sh", "-c", f"{sys.executable} -m hsextract.cli server start; echo done"],
+            cwd=wd, capture_output=True, text=True, timeout=300, env=env,
+        )  # fmt: skip
+        assert shell.returncode == 0 and shell.stdout.endswith("done\n"), shell.stderr
+        said = json.loads(shell.stdout.splitlines()[0])
+        assert said["runs"] == "until `hsextract server stop`", said
+        assert "runs until `hsextract server stop`" in shell.stderr
+        live = json.loads(next((rd / "state").glob("server.*.live.json")).read_text())
+        assert live["pid"] == said["pid"]
+        assert live["owner_pid"] is None and live["watchdog_pid"] is None, live
+        assert not any("hsextract.watchdog" in c for c in processes_under(wd).values())
+        status = _cli("server", "status", cwd=wd)  # the shell is gone: still serving
+        assert status.returncode == 0 and json.loads(status.stdout)["serving"], status.stdout
+        stop = _cli("server", "stop", cwd=wd)
+        assert stop.stdout.strip() == "stopped", stop.stdout + stop.stderr
+        poll(lambda: not pid_alive(said["pid"]), "the server to stop", 60)
+        assert not wait_until_gone(wd)
+    finally:
+        _cli("server", "stop", cwd=wd)
+        kill_processes_under(wd)
+
+
+def test_verify_of_a_renamed_run_dir_says_so_and_advises_no_deletion(demo_copy):
+    """Issue 38, item 13: a renamed run dir was told to delete its manifest, which
+    changes nothing: the name is what is wrong, and the message says how to fix it."""
+    rd = demo_copy["run_dir"]
+    renamed = rd.with_name("my-good-run")
+    rd.rename(renamed)
+    proc = _cli("verify", str(renamed), cwd=demo_copy["workdir"])
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    problems = proc.stdout.strip().splitlines()[:-1]
+    assert problems == [
+        f"run dir {renamed} was renamed or moved: its name is not the fingerprint {rd.name} "
+        f"its manifest, config and chunks were made under; rename it back to {rd} (the "
+        "workflow and `hsextract` find a run by that name) -- nothing in it needs deleting "
+        "or redoing"
+    ], proc.stdout
+    renamed.rename(rd)  # named back: verified whole
+    proc = _cli("verify", str(rd), cwd=demo_copy["workdir"])
+    assert proc.returncode == 0, proc.stdout
+
+
 def test_verify_takes_a_run_dir_for_its_manifest(tmp_path):
     """A run dir stands for its manifest.json: the same checks, not a refusal."""
     (tmp_path / "manifest.json").write_text('{"chunks": []}\n')

@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from fixtures_demo import (
+    kill_processes_under,
+    make_workdir,
+    poll,
+    run_dir_of,
+    run_snakemake,
+    start_snakemake,
+    stop_snakemake,
+)
 
-from hsextract.stale import RUN_MARKER, StaleDeletionError, delete_stale
+from hsextract.stale import RUN_MARKER, StaleDeletionError, active_holders, delete_stale
 
 
 def _run(root: Path, name: str, size: int = 100, *, marked: bool = True, mtime: int = 0) -> Path:
@@ -311,3 +323,198 @@ def test_setting_delete_finished_deletes_what_the_printed_plan_says(demo_copy) -
     assert "add --forcerun delete_stale_states to this command" in proc.stderr
     run_snakemake(wd, "-j1", "extract_all", "--forcerun", "delete_stale_states")
     assert not unfinished.exists() and rd.is_dir()
+
+
+# --------------------------------------------------------------------------- one workflow
+
+
+_HOLD = (
+    "import sys; from hsextract.stale import hold_run_lock; hold_run_lock(sys.argv[1]);"
+    "print('held', flush=True); sys.stdin.read()"
+)
+
+
+def _holder(run: Path) -> subprocess.Popen:
+    """A process holding ``run``'s activity lock until its stdin closes (then it exits
+    normally) or it is killed."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(run)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_activity_lock_files_go_with_their_holder_and_a_dead_ones_with_the_next_look(
+    tmp_path: Path,
+) -> None:
+    """Issue 38, item 13: every invocation left a ``state/active/<host>-<pid>.lock``.
+    A holder that exits removes its own; one SIGKILLed cannot, and the next look
+    (a claim, stale deletion) removes it -- never a live holder's."""
+    run = tmp_path / "run"
+    active = run / "state" / "active"
+    host = socket.gethostname()
+    clean, killed, live = _holder(run), _holder(run), _holder(run)
+    try:
+        names = {f"{host}-{p.pid}.lock" for p in (clean, killed, live)}
+        assert {p.name for p in active.glob("*.lock")} == names
+        clean.stdin.close()
+        assert clean.wait(timeout=60) == 0
+        assert not (active / f"{host}-{clean.pid}.lock").exists(), "left by a clean exit"
+        killed.kill()
+        killed.wait(timeout=60)
+        assert (active / f"{host}-{killed.pid}.lock").exists()  # no handler ran
+        users = active_holders(run)
+        assert users == [f"a running workflow (pid {live.pid})"], users
+        assert {p.name for p in active.glob("*.lock")} == {f"{host}-{live.pid}.lock"}
+    finally:
+        for p in (clean, killed, live):
+            p.kill()
+            p.wait()
+
+
+_CLAIM = """
+import os, sys, time
+from hsextract.stale import RunInUseError, claim_run
+while not os.path.exists(sys.argv[2]):  # all start claiming at once
+    time.sleep(0.001)
+try:
+    claim_run(sys.argv[1])
+    print("held", flush=True)
+except RunInUseError as exc:
+    print("refused:", exc, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_of_workflows_claiming_a_run_dir_at_once_exactly_one_holds_it(tmp_path: Path) -> None:
+    """Issue 38, item 2: the check for another holder and the creation of one's own lock
+    are one step (under the claim lock), so of several starting at once one goes on and
+    every other is refused naming it; once it ends, the run dir can be claimed again."""
+    run, go = tmp_path / "run", tmp_path / "go"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CLAIM, str(run), str(go)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for _ in range(4)
+    ]
+    try:
+        go.touch()
+        said = {p.pid: p.stdout.readline().strip() for p in procs}
+        holders = [pid for pid, line in said.items() if line == "held"]
+        assert len(holders) == 1, said
+        for pid, line in said.items():
+            if pid != holders[0]:
+                assert line.startswith("refused: run dir ") and f"pid {holders[0]} on" in line
+        assert [p.name for p in (run / "state" / "active").glob("*.lock")] == [
+            f"{socket.gethostname()}-{holders[0]}.lock"
+        ]
+    finally:
+        for p in procs:
+            p.stdin.close()
+            p.wait(timeout=60)
+    assert not list((run / "state" / "active").glob("*.lock"))  # each removed its own
+    from hsextract.stale import claim_run, release_run_locks
+
+    try:  # free again: this process may claim it
+        assert claim_run(run).name == f"{socket.gethostname()}-{os.getpid()}.lock"
+    finally:
+        release_run_locks()
+    assert not list((run / "state" / "active").glob("*.lock"))
+
+
+@pytest.mark.workflow
+def test_a_second_workflow_on_a_run_dir_in_use_is_refused_from_any_directory(
+    tmp_path: Path,
+) -> None:
+    """Issue 38, item 2: the same config run from two directories at once (Snakemake's
+    own lock is per directory) deleted a finished chunk.  The second is refused when its
+    Snakefile is parsed, naming the first (pid, host, since when), and touches nothing;
+    a dry run may still look; the first finishes as if alone and leaves no lock file."""
+    out = tmp_path / "out"
+    cfg = {
+        "demo.n_records": 16,
+        "n_chunks": 2,
+        "output_root": str(out),
+        "model.path": str(out / "demo" / "model"),
+        "dump.dir": str(tmp_path / "shm" / "dump"),
+        "server.health_timeout_s": 120,
+    }
+    first, second = make_workdir(tmp_path / "a", **cfg), make_workdir(tmp_path / "b", **cfg)
+    (tmp_path / "shm").mkdir()
+    # Each chunk's first pass held on a gate of its own: the first chunk is let go, the
+    # second is held, so the run dir holds a finished chunk and one in flight.
+    gates = {f"chunk_{c:05d}": tmp_path / f"go-{c}" for c in range(2)}
+    log = tmp_path / "faults.jsonl"
+    hold = {
+        "log": str(log),
+        "extend": [
+            {"rid": chunk, "nth": [1], "do": "wait", "gate": str(gate)}
+            for chunk, gate in gates.items()
+        ],
+    }
+    proc = start_snakemake(first, "-j1", "extract_all", faults=hold)
+    try:
+        rd = run_dir_of(first)
+        assert rd.resolve() == run_dir_of(second).resolve()  # one run dir, two directories
+
+        def held(n: int):
+            assert proc.poll() is None, proc.communicate()[0][-4000:]
+            waits = log.read_text().splitlines() if log.exists() else []
+            return len(waits) >= n and json.loads(waits[n - 1])["rid"][: len("chunk_00000")]
+
+        done = poll(lambda: held(1), "the first chunk held")
+        gates[done].touch()
+        poll(lambda: held(2), "the second chunk held")
+        before = _files(rd)
+        pieces = {str(p) for p in (tmp_path / "shm" / "dump").rglob("*")}
+        assert f"hidden/{done}.safetensors" in before and pieces
+
+        refused = run_snakemake(second, "-j1", "extract_all", check=False, timeout=300)
+        said = refused.stdout + refused.stderr
+        assert refused.returncode != 0, said[-3000:]
+        assert "in use by another workflow" in said, said[-3000:]
+        assert f"pid {proc.pid} on host {socket.gethostname()}, since " in said, said[-3000:]
+        assert str(first) in said  # where the first was started
+        # Nothing removed or rewritten (the held job's own writes may still land).
+        assert _kept(before, _files(rd)), "the refused workflow touched the run dir"
+        assert pieces <= {str(p) for p in (tmp_path / "shm" / "dump").rglob("*")}
+        assert proc.poll() is None
+
+        # A dry run touches nothing: it may plan beside a running workflow.
+        assert run_snakemake(second, "-n", "extract_all").returncode == 0
+        assert _kept(before, _files(rd))
+
+        for gate in gates.values():
+            gate.touch()
+        output = proc.communicate(timeout=600)[0]
+        assert proc.returncode == 0, output[-4000:]
+        verified = subprocess.run(
+            [sys.executable, "-m", "hsextract.cli", "verify", str(rd / "manifest.json")],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert verified.returncode == 0, verified.stdout + verified.stderr
+        assert not list((rd / "state" / "active").glob("*.lock")), "a lock file left"
+    finally:
+        for gate in gates.values():
+            gate.touch()
+        stop_snakemake(proc)
+        kill_processes_under(tmp_path)
+
+
+def _kept(before: dict[str, object], after: dict[str, object]) -> bool:
+    return all(after.get(name) == stat_ for name, stat_ in before.items())
+
+
+def _files(rd: Path) -> dict[str, object]:
+    """What a workflow wrote in a run dir: (size, mtime) of each file, and for a temporary
+    (dot) file only that it is there -- the held chunk job may still append to its own.
+    Not the files it or its server rewrite while held (its progress file, the logs)."""
+    out: dict[str, object] = {}
+    for p in rd.rglob("*"):
+        rel = p.relative_to(rd)
+        if not p.is_file() or rel.parts[0] in ("logs", "benchmarks") or "progress" in p.name:
+            continue
+        out[str(rel)] = True if p.name.startswith(".") else (p.stat().st_size, p.stat().st_mtime_ns)
+    return out

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from fixtures_demo import (
+    kill_processes_under,
     make_workdir,
     poll,
     run_dir_of,
@@ -25,6 +26,7 @@ from fixtures_demo import (
 
 from hsextract import status
 from hsextract.config import read_config
+from hsextract.errors import HsextractError
 from hsextract.status import ProgressFile, progress_path
 
 pytestmark = pytest.mark.workflow
@@ -310,3 +312,87 @@ def test_status_on_a_missing_or_broken_configfile_is_one_sentence(tmp_path, kind
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("hsextract: error: "), proc.stderr
     assert "my.yaml" in lines[0], lines[0]
+
+
+def test_a_chunk_job_killed_mid_chunk_is_the_error_until_the_chunk_is_redone(tmp_path):
+    """Issue 38, item 13: after a chunk job was SIGKILLed (no handler: no error logged,
+    its progress file left) status said `error none`.  It names the interrupted chunk
+    and its dead job; once a rerun redoes the chunk, the error is gone."""
+    wd = make_workdir(tmp_path / "w", **SMALL, **{"client.requests_in_flight": 1})
+    gate, log = tmp_path / "gate", tmp_path / "faults.jsonl"
+    hold = {
+        "log": str(log),
+        "extend": [{"rid": "chunk_00001", "nth": [1], "do": "wait", "gate": str(gate)}],
+    }
+    proc = start_snakemake(wd, "-j1", "extract_all", faults=hold)
+    try:
+        rd = run_dir_of(wd)
+        progress = progress_path(rd / "hidden" / "chunk_00001.safetensors")
+
+        def held() -> bool:
+            assert proc.poll() is None, proc.communicate()[0][-4000:]
+            return log.exists() and '"fault": "wait"' in log.read_text() and progress.exists()
+
+        poll(held, "chunk_00001 held mid-chunk")
+        job = json.loads(progress.read_text())["pid"]
+        assert b"extract_chunk" in Path(f"/proc/{job}/cmdline").read_bytes()
+        os.kill(job, signal.SIGKILL)
+        gate.touch()
+        out = proc.communicate(timeout=300)[0]
+        assert proc.returncode != 0, out[-4000:]
+
+        st = status_json(wd)
+        assert [f["chunk"] for f in st["interrupted"]] == ["chunk_00001"], st["interrupted"]
+        assert st["interrupted"][0]["pid"] == job and st["in_flight"] == []
+        err = st["last_error"]
+        assert (err["rule"], err["chunk"]) == ("extract_chunk", "chunk_00001"), err
+        assert f"its job (pid {job} on {socket.gethostname()})" in err["message"], err
+        assert "interrupted" in err["message"] and "redoes it" in err["message"], err
+        text = hsx_status(wd).stdout
+        assert "error     none" not in text and "chunk_00001 interrupted" in text, text
+
+        rerun = subprocess.run(snakemake_cmd(wd, "-j1", "extract_all"),
+                               capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert rerun.returncode == 0, rerun.stderr[-4000:]
+        st = status_json(wd)
+        assert st["finished"] and st["interrupted"] == [] and st["last_error"] is None, st
+        assert "error     none" in hsx_status(wd).stdout
+    finally:
+        gate.touch()
+        stop_snakemake(proc, signal.SIGKILL)
+        kill_processes_under(wd)
+
+
+def test_an_error_a_job_recovered_from_is_not_the_runs_error(tmp_path):
+    """Issue 38, item 13: status kept showing errors already fixed.  A job that logged
+    an error (or a library's traceback) and then succeeded ends its log with the line
+    run_step writes on success: what is above it is history; a failure still shows."""
+    from types import SimpleNamespace
+
+    from hsextract.smk import run_step
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+
+    def recovers(_sm) -> None:
+        print("Traceback (most recent call last):\n  File 'x'\nValueError: retried, then fine")
+        print("ERROR [launch_server]: the first try failed")
+
+    def fails(_sm) -> None:
+        raise HsextractError("the merge failed for good")
+
+    stdout, stderr = sys.stdout, sys.stderr
+    try:
+        run_step(SimpleNamespace(log=[str(logs / "launch_server.log")], rule="launch_server"),
+                 recovers)  # fmt: skip
+    finally:
+        sys.stdout, sys.stderr = stdout, stderr
+    assert status.last_error(logs) is None
+    try:
+        with pytest.raises(SystemExit):
+            run_step(SimpleNamespace(log=[str(logs / "merge_and_shuffle.log")],
+                                     rule="merge_and_shuffle"), fails)  # fmt: skip
+    finally:
+        sys.stdout, sys.stderr = stdout, stderr
+    err = status.last_error(logs)
+    assert (err.rule, err.message) == ("merge_and_shuffle", "the merge failed for good")

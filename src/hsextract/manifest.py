@@ -322,13 +322,26 @@ class _Fields:
         cfg = data.get("config") or {}
         fp = data.get("fingerprint")
         self.run_field("format_version", data.get("format_version"), "1", "this hsextract")
-        self.run_field("fingerprint", fp, root.name, f"the run dir's name ({root})")
+        made_under = None
         try:
             recorded = typed(cfg)  # as written then: typed() takes an older release's keys
-            self.run_field("fingerprint", fp, fingerprint(recorded), "the config it records")
+            made_under = fingerprint(recorded)
+            self.run_field("fingerprint", fp, made_under, "the config it records")
             self.run_field("codec", data.get("codec"), storage_codec(recorded), "the config")
         except (KeyError, TypeError, AttributeError, HsextractError) as exc:
             self.problems.append(f"its config is incomplete ({exc!r}); {self.rebuild}")
+        if fp != root.name and fp == made_under:
+            # The manifest agrees with its config (and, below, its chunks): the dir was
+            # renamed or moved.  Deleting the manifest would not help: the name is how
+            # the workflow and `hsextract` find the run.
+            self.problems.append(
+                f"run dir {root} was renamed or moved: its name is not the fingerprint {fp} "
+                f"its manifest, config and chunks were made under; rename it back to "
+                f"{root.parent / str(fp)} (the workflow and `hsextract` find a run by that "
+                "name) -- nothing in it needs deleting or redoing"
+            )
+        else:
+            self.run_field("fingerprint", fp, root.name, f"the run dir's name ({root})")
         model = cfg.get("model") if isinstance(cfg.get("model"), dict) else {}
         self.run_field("engine", data.get("engine"), cfg.get("engine"), "the config")
         self.run_field("model", data.get("model"), model.get("path"), "the config")

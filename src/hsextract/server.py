@@ -253,21 +253,28 @@ def log_tail(path: str | Path, lines: int = 30) -> str:
 _children: dict[int, subprocess.Popen] = {}
 
 
-def start(spec: ServerSpec, *, owner: int | None = None, wait: bool = True) -> dict:
+def start(
+    spec: ServerSpec, *, owner: int | None = None, wait: bool = True, detached: bool = False
+) -> dict:
     """Start the server detached and its watchdog; return its state.
 
     With ``wait`` (the default) return once it is healthy (:func:`wait_healthy`); without,
     at once: its state then has no ``healthy_at``, and whoever needs the server waits for
     it (``ensure()``: the chunk jobs, while the model loads).  ``owner`` (default
     :func:`owner_pid`) is the process whose end stops it, through the watchdog; none that
-    runs now, no server.
+    runs now, no server.  ``detached`` (``hsextract server start`` outside a workflow): no
+    owner and no watchdog, it runs until ``hsextract server stop`` -- the shell that ran
+    the command may be gone the next moment (a script, ``ssh host cmd``), and a server
+    stopped then is of no use to whoever started it.
     """
     from hsextract.budget import _start_time
 
-    owner = owner if owner is not None else owner_pid()
-    owner_start = _start_time(owner)
-    if owner_start is None or not pid_alive(owner):
-        raise ServerError(f"the server's owner (pid {owner}) is gone: not starting it")
+    owner_start: str | None = None
+    if not detached:
+        owner = owner if owner is not None else owner_pid()
+        owner_start = _start_time(owner)
+        if owner_start is None or not pid_alive(owner):
+            raise ServerError(f"the server's owner (pid {owner}) is gone: not starting it")
     Path(spec.log_path).parent.mkdir(parents=True, exist_ok=True)
     prepare_dump_dir(Path(spec.dump_dir), owner=spec.extra.get("run_dir"))
     env = {**os.environ, **spec.env}
@@ -283,18 +290,21 @@ def start(spec: ServerSpec, *, owner: int | None = None, wait: bool = True) -> d
             argv, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
         )
     _children[proc.pid] = proc
-    watchdog = subprocess.Popen(
-        [sys.executable, "-m", "hsextract.watchdog", str(owner), str(proc.pid), owner_start],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=open(spec.log_path, "ab"),  # noqa: SIM115 - inherited by the child
-        start_new_session=True,
-    )
+    watchdog = None
+    if not detached:
+        assert owner is not None and owner_start is not None
+        watchdog = subprocess.Popen(
+            [sys.executable, "-m", "hsextract.watchdog", str(owner), str(proc.pid), owner_start],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=open(spec.log_path, "ab"),  # noqa: SIM115 - inherited by the child
+            start_new_session=True,
+        )
     state = {
         "pid": proc.pid,
         "pgid": proc.pid,
-        "watchdog_pid": watchdog.pid,
-        "owner_pid": owner,
+        "watchdog_pid": watchdog.pid if watchdog else None,
+        "owner_pid": None if detached else owner,
         "owner_start": owner_start,
         "url": spec.url,
         "host": socket.gethostname(),
@@ -594,6 +604,7 @@ def ensure(
     probes: int = 1,
     interval_s: float = 0.0,
     wait: bool = True,
+    detached: bool = False,
 ) -> dict:
     """Live state of a healthy server for this run started with ``spec``'s settings.
 
@@ -607,7 +618,8 @@ def ensure(
     waited for (:func:`wait_healthy`, outside the lock, so every chunk job waits at once),
     until ``started_at + health_timeout_s``.  One that failed to start under this workflow
     raises its recorded message at once.  ``wait=False`` returns as soon as a server is
-    started or found starting (``launch_server``).
+    started or found starting (``launch_server``).  ``detached``: a server started here
+    has no owner (:func:`start`); one found alive keeps the lifetime it has.
     """
     from filelock import FileLock
 
@@ -641,7 +653,7 @@ def ensure(
                     port = free_port(spec.host, spec.extra.get("max_port", 65535))
                     spec = replace(spec, port=port)
                     spec.argv = _with_port(spec.argv, spec.port)
-                state = start(spec, wait=False)
+                state = start(spec, wait=False, detached=detached)
                 write_json(live, state)
                 if not wait:
                     return state

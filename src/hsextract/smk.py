@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from hsextract.errors import HsextractError
 from hsextract.interrupt import INTERRUPTED_EXIT, interrupted_message
+
+#: A job's last log line once its step returned: whatever error it logged before (one it
+#: recovered from, a traceback a library printed) is history, not the run's state
+#: (``hsextract status`` reads no error above it).
+JOB_DONE = "hsextract: job done"
 
 
 def run_step(snakemake: Any, step: Callable[[Any], None]) -> None:
@@ -32,6 +39,7 @@ def run_step(snakemake: Any, step: Callable[[Any], None]) -> None:
     )
     try:
         step(snakemake)
+        print(f"{JOB_DONE} [{snakemake.rule}]", flush=True)
     except HsextractError as exc:
         print(f"ERROR [{snakemake.rule}]: {exc}", flush=True)
         sys.__stderr__.write(f"hsextract [{snakemake.rule}]: {exc}\n")
@@ -57,3 +65,37 @@ def _job_name(snakemake: Any) -> str:
         return f"chunk {wildcards['chunk']}"
     named = ", ".join(f"{k}={v}" for k, v in wildcards.items())
     return f"{snakemake.rule} ({named})" if named else str(snakemake.rule)
+
+
+#: Snakemake options under which it runs no job and deletes nothing: it plans, prints or
+#: checks (``--unlock`` only clears Snakemake's own lock in its working directory).
+_READ_ONLY_OPTIONS = (
+    "dryrun", "lint", "list_target_rules", "list_rules", "print_compilation", "summary",
+    "detailed_summary", "dag", "rulegraph", "filegraph", "d3dag", "list_changes",
+    "list_input_changes", "list_params_changes", "list_untracked", "list_conda_envs",
+    "unlock", "containerize", "generate_unit_tests", "archive",
+)  # fmt: skip
+
+
+def runs_jobs(argv: Sequence[str] | None = None) -> bool:
+    """Whether this Snakemake command line (default: this process's) may run jobs.
+
+    Asked when the Snakefile is parsed, where Snakemake has not yet said (its executor,
+    ``-n`` among them, is set after the parse): the command line is read with Snakemake's
+    own parser.  A dry run plans and touches nothing, so it need not hold the run dir
+    (``stale.claim_run``) and may watch a running workflow's plan.  A command line this
+    parser does not take (Snakemake driven through its Python API) counts as one that
+    runs jobs: holding the run dir is the safe side.
+    """
+    from snakemake.cli import parse_args
+
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            _, args = parse_args(args_in)  # prints which profile it reads: not twice
+    except (SystemExit, Exception):  # noqa: BLE001 - any failure: hold the run dir
+        return True
+    if any(getattr(args, name, None) for name in _READ_ONLY_OPTIONS):
+        return False
+    report = getattr(args, "report", None) or getattr(args, "reporter", None)
+    return not (report and not getattr(args, "report_after_run", False))

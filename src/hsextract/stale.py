@@ -24,6 +24,7 @@ same plan without touching anything, for ``snakemake -n``.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import hashlib
@@ -42,7 +43,15 @@ from hsextract.budget import LEDGER_DIR, TURNS_DIR
 from hsextract.config import RUN_MARKER, marker_temp, unsafe_dir
 from hsextract.errors import HsextractError
 
-__all__ = ["RUN_MARKER", "StaleDeletionError", "delete_stale", "hold_run_lock", "preview"]
+__all__ = [
+    "RUN_MARKER",
+    "RunInUseError",
+    "StaleDeletionError",
+    "claim_run",
+    "delete_stale",
+    "hold_run_lock",
+    "preview",
+]
 
 #: Per-invocation activity locks of a run dir: ``<host>-<pid>.lock``, flock'ed while alive.
 ACTIVE_DIR = Path("state") / "active"
@@ -55,24 +64,173 @@ class StaleDeletionError(HsextractError):
 # --------------------------------------------------------------------------- in use
 
 
-_HELD: dict[str, int] = {}
+#: The activity locks this process holds: path -> (fd, the pid that took it).
+_HELD: dict[str, tuple[int, int]] = {}
+#: In ``state/active``: held only while a workflow checks for another holder and creates
+#: its own lock file, so two workflows starting at once cannot both see none.  Never
+#: unlinked (a lock on an unlinked file serialises nothing).
+CLAIM_LOCK = ".claim"
 
 
-def hold_run_lock(run_dir: Path, owner_pid: int | None = None) -> Path:
-    """Mark this process as using ``run_dir`` until it exits (the Snakefile's onstart).
+class RunInUseError(HsextractError):
+    """Another workflow holds the run dir: two on one run dir delete each other's work."""
 
-    An exclusive ``flock`` on a per-process file: the kernel releases it when the process
-    dies, SIGKILL included, so a crashed workflow never pins a run dir forever.
+
+def claim_run(run_dir: Path, owner_pid: int | None = None) -> Path:
+    """Hold ``run_dir`` for this workflow, or refuse if another workflow holds it.
+
+    Two workflows on one run dir (the same config from two directories: Snakemake's own
+    lock is per working directory) remove each other's pieces, temporary files and
+    chunks as an interrupted attempt's (issue 38, item 2).  Called when the Snakefile is
+    parsed, before Snakemake or a job touches anything.  The check and the creation of
+    this workflow's lock file happen under :data:`CLAIM_LOCK`, so of two starting at
+    once exactly one goes on.  Dead holders' files are removed on the way.
     """
     pid = owner_pid or os.getpid()
     d = Path(run_dir) / ACTIVE_DIR
     d.mkdir(parents=True, exist_ok=True)
-    path = d / f"{socket.gethostname()}-{pid}.lock"
-    if str(path) not in _HELD:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = os.open(d / CLAIM_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held for a scan and a rename: never long
+        others = _workflow_locks(Path(run_dir), exclude_pid=pid)
+        if others:
+            raise RunInUseError(_in_use_sentence(Path(run_dir), others[0]))
+        return hold_run_lock(run_dir, pid)
+    finally:
+        os.close(fd)
+
+
+def _in_use_sentence(run_dir: Path, other: dict[str, Any]) -> str:
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(other["since"]))
+    where = f" (started in {other['cwd']})" if other.get("cwd") else ""
+    gone = (
+        f"; if no workflow runs there any more, remove {other['path']}"
+        if other["host"] != socket.gethostname()
+        else ""
+    )
+    return (
+        f"run dir {os.path.abspath(run_dir)} is in use by another workflow: pid "
+        f"{other['pid']} on host {other['host']}, since {since}{where}; one workflow per "
+        "run dir at a time, so wait for it to end (`hsextract status` shows how far it "
+        f"is) or stop it, then run this again{gone}"
+    )
+
+
+def hold_run_lock(run_dir: Path, owner_pid: int | None = None) -> Path:
+    """Mark this process as using ``run_dir`` until it exits (:func:`claim_run`).
+
+    An exclusive ``flock`` on a per-process file: the kernel releases it when the process
+    dies, SIGKILL included, so a crashed workflow never pins a run dir forever (its file
+    is removed by the next one to look, :func:`_workflow_locks`).  The file is created
+    and locked under a temporary name, then renamed: a lock file is never visible
+    unlocked, so a cleaner that finds one unlocked knows its holder is gone, and never
+    removes a live holder's.  Removed by this process at exit (:func:`release_run_locks`).
+    """
+    pid = owner_pid or os.getpid()
+    host = socket.gethostname()
+    d = Path(run_dir) / ACTIVE_DIR
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"{host}-{pid}.lock"
+    if str(path) in _HELD:
+        return path
+    info = {"pid": pid, "host": host, "since": time.time(), "cwd": os.getcwd()}
+    while True:
+        tmp = d / f".{path.name}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)
-        _HELD[str(path)] = fd
+        os.write(fd, json.dumps(info).encode())
+        try:
+            os.rename(tmp, path)
+        except FileNotFoundError:
+            os.close(fd)  # a cleaner took the temp file before it was locked: again
+            continue
+        break
+    if not _HELD:
+        atexit.register(release_run_locks)
+    _HELD[str(path)] = (fd, os.getpid())
     return path
+
+
+def release_run_locks() -> None:
+    """Remove this process's activity lock files, then release them (at exit).
+
+    Unlinked while still locked: no one sees the file unlocked.  Only in the process that
+    took them: a forked child that exits normally must not release its parent's.
+    """
+    for path, (fd, taker) in list(_HELD.items()):
+        if taker != os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                os.unlink(path)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        del _HELD[path]
+
+
+def _workflow_locks(run_dir: Path, *, exclude_pid: int | None = None) -> list[dict[str, Any]]:
+    """The workflows holding a run dir: pid, host, since, cwd, path of each lock file.
+
+    Another host's file cannot be probed from here (flock may not reach across hosts):
+    it counts.  A file of this host that nobody holds is its dead holder's (see
+    :func:`hold_run_lock`): removed, as is a temporary name whose creator died.
+    """
+    host = socket.gethostname()
+    found: list[dict[str, Any]] = []
+    d = run_dir / ACTIVE_DIR
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError, PermissionError):
+        for entry in sorted(os.scandir(d), key=lambda e: e.name):
+            if entry.name.startswith("."):
+                if entry.name.endswith(".tmp"):
+                    _remove_unheld(entry.path)
+                continue
+            if not entry.name.endswith(".lock"):
+                continue
+            lhost, _, pid = entry.name.removesuffix(".lock").rpartition("-")
+            if exclude_pid is not None and lhost == host and pid == str(exclude_pid):
+                continue
+            if lhost == host and _remove_unheld(entry.path):
+                continue  # its process is gone
+            info: dict[str, Any] = {}
+            with contextlib.suppress(OSError, ValueError):
+                info = json.loads(Path(entry.path).read_text() or "{}")
+            if not isinstance(info, dict) or not isinstance(info.get("since"), (int, float)):
+                info = {}
+                with contextlib.suppress(OSError):
+                    info["since"] = os.stat(entry.path).st_mtime
+            found.append(
+                {
+                    "pid": pid,
+                    "host": lhost,
+                    "since": info.get("since", 0.0),
+                    "cwd": info.get("cwd"),
+                    "path": entry.path,
+                }
+            )
+    return found
+
+
+def _remove_unheld(path: str) -> bool:
+    """Unlink ``path`` if no process holds a lock on it; whether it was unheld.
+
+    The probe's lock is kept while unlinking, and the name checked to still be that
+    inode, so a file renamed into place meanwhile (held from birth) is never removed.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                os.unlink(path)
+        return True
+    finally:
+        os.close(fd)
 
 
 def active_holders(run_dir: Path, *, exclude_pid: int | None = None) -> list[str]:
@@ -80,20 +238,11 @@ def active_holders(run_dir: Path, *, exclude_pid: int | None = None) -> list[str
     run_dir = Path(run_dir)
     host = socket.gethostname()
     found: list[str] = []
-    d = run_dir / ACTIVE_DIR
-    with contextlib.suppress(FileNotFoundError, NotADirectoryError, PermissionError):
-        for entry in os.scandir(d):
-            name = entry.name.removesuffix(".lock")
-            lhost, _, pid = name.rpartition("-")
-            if exclude_pid is not None and lhost == host and pid == str(exclude_pid):
-                continue
-            if lhost != host:
-                found.append(f"a workflow on host {lhost} (pid {pid}; {entry.path})")
-            elif lock_held(entry.path):
-                found.append(f"a running workflow (pid {pid})")
-            else:
-                with contextlib.suppress(OSError):
-                    os.unlink(entry.path)  # its process is gone
+    for w in _workflow_locks(run_dir, exclude_pid=exclude_pid):
+        if w["host"] != host:
+            found.append(f"a workflow on host {w['host']} (pid {w['pid']}; {w['path']})")
+        else:
+            found.append(f"a running workflow (pid {w['pid']})")
     with contextlib.suppress(FileNotFoundError, NotADirectoryError, PermissionError):
         for entry in os.scandir(run_dir / "state"):
             if not (entry.name.startswith("server.") and entry.name.endswith(".live.json")):

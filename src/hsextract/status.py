@@ -13,7 +13,10 @@ relaunches anything, takes a lock a workflow could wait on, or removes a file.
 - ETA: tokens left over the recent rate, only while a workflow holds the run;
 - server: this host's live state file, its pid and one short ``/health`` probe;
 - last error: the newest ``ERROR``/traceback line in the rules' logs.  Snakemake removes
-  a job's log before running it again, so an error there is its latest attempt's.
+  a job's log before running it again, so an error there is its latest attempt's; one
+  above the line a job writes when it succeeds (``smk.JOB_DONE``) was recovered from,
+  and a done chunk's is history.  A chunk whose job was killed (SIGKILL: no error
+  logged) is the error then: its progress file names a dead writer.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Any
 
 from hsextract.config import Config, chunk_count
 from hsextract.server import read_json
+from hsextract.smk import JOB_DONE
 
 log = logging.getLogger("hsextract")
 
@@ -158,6 +162,7 @@ class InFlight:
     tokens_done: int
     tokens_total: int | None
     phase: str = "sending"
+    host: str | None = None
 
 
 @dataclass
@@ -199,6 +204,8 @@ class Status:
     tokens_total: int | None
     tokens_done: int
     in_flight: list[InFlight]
+    #: Chunks whose job died mid-chunk without a word (SIGKILL): see :func:`_progress`.
+    interrupted: list[InFlight]
     workflow_pids: list[str]
     recent_tok_s: float | None
     overall_tok_s: float | None
@@ -250,7 +257,7 @@ def collect(
         tokens_total = None
         # Read only: an auto count not yet cached is counted, not written.
         names = [f"chunk_{i:05d}" for i in range(chunk_count(cfg, write_cache=False))]
-    in_flight = _in_flight(hidden, set(names) - done)
+    in_flight, interrupted = _progress(hidden, set(names) - done)
     for f in in_flight:
         tokens_done += f.tokens_done
         # Busy until now; its tokens were done by its last update.
@@ -276,6 +283,7 @@ def collect(
         tokens_total=tokens_total,
         tokens_done=tokens_done,
         in_flight=in_flight,
+        interrupted=interrupted,
         workflow_pids=pids,
         recent_tok_s=recent,
         overall_tok_s=overall,
@@ -283,8 +291,32 @@ def collect(
         eta_s=eta,
         manifest=(rd / "manifest.json").exists(),
         server=server_status(cfg, rd, timeout_s=probe_timeout_s),
-        last_error=last_error(rd / "logs", done),
+        last_error=_newest(last_error(rd / "logs", done), interrupted, hidden),
     )
+
+
+def _newest(
+    logged: LastError | None, interrupted: list[InFlight], hidden: Path
+) -> LastError | None:
+    """The latest of a logged error and a chunk interrupted without one (its job killed):
+    a killed job is the current state of its chunk, not "error none"."""
+    best = logged
+    for f in interrupted:
+        if best is not None and best.at >= f.updated_at:
+            continue
+        total = f"{f.tokens_total:,}" if f.tokens_total is not None else "?"
+        best = LastError(
+            rule="extract_chunk",
+            chunk=f.chunk,
+            message=(
+                f"interrupted: its job (pid {f.pid} on {f.host}) ended after {f.tokens_done:,} "
+                f"of {total} tokens without finishing or logging an error (killed: kill -9, "
+                "the OOM killer, a preemption?); the next `snakemake -j1 extract_all` redoes it"
+            ),
+            log=str(progress_path(hidden / f"{f.chunk}.safetensors")),
+            at=f.updated_at,
+        )
+    return best
 
 
 def _chunk_interval(hidden: Path, chunk: str) -> tuple[float, float] | None:
@@ -300,14 +332,23 @@ def _chunk_interval(hidden: Path, chunk: str) -> tuple[float, float] | None:
 
 
 def _in_flight(hidden: Path, pending: set[str]) -> list[InFlight]:
-    """Chunks whose job is running now: a progress file whose writer is alive.
+    """Chunks whose job is running now: a progress file whose writer is alive."""
+    return _progress(hidden, pending)[0]
 
-    A job killed with SIGKILL cannot remove its file; its dead pid tells.  Another host's
-    writer cannot be checked from here, so its file counts while it keeps being updated.
+
+def _progress(hidden: Path, pending: set[str]) -> tuple[list[InFlight], list[InFlight]]:
+    """(running, interrupted): the chunks with a progress file, by whether its writer runs.
+
+    A job ends either way by removing its file (a failure also logs why); one killed
+    with SIGKILL (the OOM killer, a preemption, ``kill -9``) can do neither, and its dead
+    pid tells: its chunk was interrupted, with no error anywhere else to say so.  Another
+    host's writer cannot be checked from here: its file counts as running while it keeps
+    being updated, as interrupted once it stops.  A later attempt of the chunk rewrites
+    the file (running again) and removes it when done.
     """
     from hsextract.server import pid_alive
 
-    out = []
+    running, interrupted = [], []
     host = socket.gethostname()
     for name in sorted(pending):
         data = read_json(progress_path(hidden / f"{name}.safetensors"))
@@ -317,12 +358,11 @@ def _in_flight(hidden: Path, pending: set[str]) -> list[InFlight]:
             started, updated = float(data["started_at"]), float(data["updated_at"])
         except (KeyError, TypeError, ValueError):
             continue
-        if data.get("host") == host:
-            if not pid_alive(data.get("pid")):
-                continue
-        elif time.time() - updated > 10 * PROGRESS_INTERVAL_S + 60:
-            continue
-        out.append(
+        if data.get("host", host) == host:
+            alive = pid_alive(data.get("pid"))
+        else:
+            alive = time.time() - updated <= 10 * PROGRESS_INTERVAL_S + 60
+        (running if alive else interrupted).append(
             InFlight(
                 chunk=name,
                 pid=data.get("pid"),
@@ -331,9 +371,10 @@ def _in_flight(hidden: Path, pending: set[str]) -> list[InFlight]:
                 tokens_done=int(data.get("tokens_done") or 0),
                 tokens_total=data.get("tokens_total"),
                 phase=str(data.get("phase") or "sending"),
+                host=str(data.get("host") or host),
             )
         )
-    return out
+    return running, interrupted
 
 
 def _rate(intervals: list[tuple[float, float, float]], lo: float, hi: float) -> float | None:
@@ -371,7 +412,7 @@ def _workflow_holders(rd: Path) -> list[str]:
     """Workflows holding the run (``state/active/<host>-<pid>.lock``, flock'ed while alive).
 
     Probed by :func:`hsextract.stale.lock_held`: never blocks, never creates
-    or removes a lock file (``stale.active_holders`` tidies dead ones; a status must not).
+    or removes a lock file (``stale.claim_run`` tidies dead ones; a status must not).
     """
     from hsextract.stale import lock_held
 
@@ -379,8 +420,9 @@ def _workflow_holders(rd: Path) -> list[str]:
     host = socket.gethostname()
     with contextlib.suppress(OSError):
         for entry in sorted(os.scandir(rd / "state" / "active"), key=lambda e: e.name):
-            name = entry.name.removesuffix(".lock")
-            lhost, _, pid = name.rpartition("-")
+            if entry.name.startswith(".") or not entry.name.endswith(".lock"):
+                continue  # the claim lock, a lock file being created
+            lhost, _, pid = entry.name.removesuffix(".lock").rpartition("-")
             if lhost != host:
                 out.append(f"{lhost}:{pid}")  # cannot be checked from here
             elif lock_held(entry.path):
@@ -462,6 +504,9 @@ def _error_in(path: Path) -> str | None:
     in_traceback = False
     for raw in re.split(r"[\r\n]+", text):  # \r: the progress bar's redraws
         line = raw.rstrip()
+        if line.startswith(JOB_DONE):  # the job succeeded after it: fixed, not current
+            found, in_traceback = None, False
+            continue
         k = line.find("ERROR [")
         if k >= 0:
             found = re.sub(r"^ERROR \[[^\]]*\]:\s*", "", line[k:])
@@ -518,6 +563,11 @@ def render(st: Status) -> str:
         lines.append(
             f"          {f.chunk} in flight ({phase}): {f.tokens_done:,} of {total} tokens, "
             f"for {_duration(st.now - f.started_at)} (pid {f.pid})"
+        )
+    for f in st.interrupted:
+        lines.append(
+            f"          {f.chunk} interrupted: its job (pid {f.pid}) is gone, "
+            f"{_duration(max(0.0, st.now - f.updated_at))} ago; the next run redoes it"
         )
     if st.tokens_total is not None:
         pct = 100.0 * st.tokens_done / st.tokens_total if st.tokens_total else 100.0

@@ -366,11 +366,12 @@ def _export_api_key(cfg: Config) -> None:
         os.environ["HSEXTRACT_API_KEY"] = cfg.server.api_key
 
 
-def ensure_server(cfg: Config, *, wait: bool = True) -> dict:
+def ensure_server(cfg: Config, *, wait: bool = True, detached: bool = False) -> dict:
     """This host's live server for the config's run and settings, started if need be.
 
     With ``wait`` (chunk jobs), once it is healthy, waiting for one still loading; without
-    (``launch_server``), as soon as it is started (``server.ensure``).
+    (``launch_server``), as soon as it is started (``server.ensure``).  ``detached``
+    (``hsextract server start``): one started now runs until ``hsextract server stop``.
     """
     from hsextract import server
 
@@ -387,6 +388,7 @@ def ensure_server(cfg: Config, *, wait: bool = True) -> dict:
         probes=cfg.server.health_probes,
         interval_s=cfg.server.probe_interval_s,
         wait=wait,
+        detached=detached,
     )
 
 
