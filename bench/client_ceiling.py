@@ -851,7 +851,12 @@ def main() -> None:
         say(hdr)
         prof_files: list[Path] = []
         per_cell: list[str] = []
-        for L, k, d in cells:
+        for i, (L, k, d) in enumerate(cells):
+            # A cell's rounds can outlast its share (a round is every chunk once): stop at the
+            # budget rather than be killed by the caller's limit with nothing reported.
+            if time.monotonic() - started > a.budget_s:
+                say(f"--budget-s {a.budget_s:.0f} spent: {len(cells) - i} cell(s) not run")
+                break
             chunks, index = data[L]
             got = one_cell(a, work, chunks, index, L, k, d, pools, share)
             if not a.no_profile:
