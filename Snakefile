@@ -74,7 +74,9 @@ keep_ctrl_c()
 
 
 onstart:
+    refuse_unwritable_output_root()
     hold_run()
+    record_sources(RUN, SOURCES)
 
 
 onsuccess:

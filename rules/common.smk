@@ -5,7 +5,10 @@ import sys
 from pathlib import Path
 
 from hsextract.budget import _start_time
+from hsextract.commands import record as record_sources
+from hsextract.commands import set_current, sources_of
 from hsextract.config import (
+    check_output_root,
     chunk_count,
     chunk_sizing,
     demo_data_settings_file,
@@ -20,6 +23,7 @@ from hsextract.config import (
 from hsextract.config import demo_shards as config_demo_shards
 from hsextract.config import input_shards as config_input_shards
 from hsextract.dp import server_gpu_count
+from hsextract.errors import ConfigError
 from hsextract.server import (
     OWNER_ENV,
     OWNER_SCOPE_ENV,
@@ -45,6 +49,11 @@ config.update(_loaded)
 CFG = typed(config)
 
 RUN = run_dir(CFG)
+# Every command a message suggests carries this config's sources (hsextract.commands): the
+# jobs inherit them in the environment; onstart records them in the run dir for readers
+# holding only the run (verify, a trainer's ManifestDataset).
+SOURCES = sources_of(workflow.overwrite_configfiles, dict(workflow.config_settings.config), RUN)
+set_current(SOURCES, export=True)
 # What one server takes: a chunk job's GPUs (its group's allocation under SLURM asks this).
 SERVER_GPUS = server_gpu_count(CFG)
 FINGERPRINT = fingerprint(CFG)
@@ -191,6 +200,20 @@ if MAIN and workflow.is_main_process:
     show_stale_plan()
     if CHUNK_SIZING is not None:
         print(f"hsextract: {CHUNK_SIZING.describe()}", file=sys.stderr)
+
+
+def refuse_unwritable_output_root(write=True):
+    """An output_root that cannot be written ends the run before any job in one sentence,
+    not in a traceback from the first write (the run lock's) or Snakemake's output scan."""
+    try:
+        check_output_root(CFG.output_root, write=write)
+    except ConfigError as exc:
+        print(f"hsextract: error: {exc}", file=sys.stderr)
+        raise SystemExit(1)
+
+
+if MAIN and workflow.is_main_process:
+    refuse_unwritable_output_root(write=False)  # a dry run reads nothing through a file
 
 
 def hold_run():

@@ -81,6 +81,9 @@ class Group:
 
 S = Setting
 _POS = {"minimum": 1}
+#: The most chunk files a run is split into: Snakemake plans a job per chunk (51,200 took
+#: 38 s, bench/README), and 10^8 ran out of memory in a traceback before any sentence.
+MAX_CHUNKS = 1_000_000
 _NONNEG = {"minimum": 0}
 _POS_NUM = {"exclusiveMinimum": 0}
 LAUNCH = ("launch spec",)
@@ -94,7 +97,7 @@ DECLARED: tuple[Setting | Group, ...] = (
     S("output_root", "string", "runs live in <output_root>/<fingerprint>/", ("run location",), ("merge",),
       sample="elsewhere", note="the demo's shards move with it"),
     S("n_chunks", ("integer", "string"), "how many chunk files the records are split into; auto = sized from the inputs' tokens and the server's in-flight window (hsextract.sizing)",
-      ("chunk content",), ("split",), "auto", sample=5, schema={"minimum": 1, "pattern": "^auto$"},
+      ("chunk content",), ("split",), "auto", sample=5, schema={"minimum": 1, "maximum": MAX_CHUNKS, "pattern": "^auto$"},
       note="`auto`: counted from the inputs once per version of them; `hsextract plan` says the size"),
     S("max_seq_len", "integer", "the one source of truth for length", ("chunk content", "launch spec"),
       ("merge", "launch", "demo_data"), sample=300, schema=_POS, note="the context length too"),
