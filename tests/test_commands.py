@@ -228,7 +228,7 @@ def test_a_malformed_config_value_names_config_and_the_key(tmp_path):
     proc = _hsextract("run-dir", "--config", "server={port: 30000", cwd=work)
     assert proc.returncode == 1
     assert "config.yaml" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-    assert proc.stderr.startswith("hsextract: error: --config 'server={port: 30000' is refused")
+    assert proc.stderr.startswith("hsextract: error: --config 'server={port: 30000': config key")
     assert "fix that --config value" in proc.stderr
 
 

@@ -206,12 +206,18 @@ def refuse_bad_overrides(overrides: dict) -> None:
                 elif extra is False:
                     close = difflib.get_close_matches(str(key), sorted(props), n=1)
                     hint = f" (did you mean {close[0]}?)" if close else ""
+                    where = ".".join(path)
                     raise ConfigError(
-                        f"--config {shlex.quote(config_entry([*path, str(key)], sub))}: "
-                        f"{'.'.join([*path, str(key)])} is not a setting{hint}; "
-                        f"{'.'.join(path) or 'the top level'} takes {', '.join(sorted(props))}"
+                        f"--config {shlex.quote(config_entry([*path, str(key)], sub))}: config "
+                        f"key {'.'.join([*path, str(key)])}{hint} is not a setting; "
+                        f"{where or 'the top level'} takes {', '.join(sorted(props))}"
                     )
             return
+        entry = shlex.quote(config_entry(path, value))
+        try:
+            _refuse_fractional(value, schema, ".".join(path))
+        except ConfigError as exc:
+            raise ConfigError(f"--config {entry}: {exc}") from None
         leaf = {k: v for k, v in schema.items() if k != "required"}
         error = jsonschema.exceptions.best_match(
             jsonschema.Draft202012Validator(leaf).iter_errors(value)
@@ -219,9 +225,9 @@ def refuse_bad_overrides(overrides: dict) -> None:
         if error is not None:
             group = " (a group is written KEY='{sub: value}', e.g. server='{port: 0}')"
             raise ConfigError(
-                f"--config {shlex.quote(config_entry(path, value))} is refused: {'.'.join(path)} = "
-                f"{json.dumps(value, default=str)}: {error.message}; fix that --config value"
-                + (group if schema.get("type") == "object" else "")
+                f"--config {entry}: config key {'.'.join(path)} = "
+                f"{json.dumps(value, default=str)} is refused: {error.message}; fix that "
+                "--config value" + (group if schema.get("type") == "object" else "")
             )
 
     walk(overrides, _schema(), [])
@@ -373,26 +379,27 @@ def refuse_fractional_integers(cfg: dict) -> None:
     (``range(4.0)``) -- or, for ``seed``, renamed the merge's settings file, rerunning it.
     """
 
-    def walk(value: Any, schema: dict, where: str) -> None:
-        types = schema.get("type", [])
-        types = types if isinstance(types, list) else [types]
-        if isinstance(value, float) and "integer" in types and "number" not in types:
-            whole = f" (write {int(value)})" if value.is_integer() else ""
-            raise ConfigError(
-                f"config key {where} = {value} must be a whole number written without a "
-                f"decimal point{whole}"
-            )
-        if isinstance(value, dict):
-            props = schema.get("properties", {})
-            extra = schema.get("additionalProperties")
-            for k, v in value.items():
-                sub = props.get(k, extra if isinstance(extra, dict) else {})
-                walk(v, sub, f"{where}.{k}" if where else str(k))
-        elif isinstance(value, list) and isinstance(schema.get("items"), dict):
-            for i, v in enumerate(value):
-                walk(v, schema["items"], f"{where}[{i}]")
+    _refuse_fractional(cfg, _schema(), "")
 
-    walk(cfg, _schema(), "")
+
+def _refuse_fractional(value: Any, schema: dict, where: str) -> None:
+    types = schema.get("type", [])
+    types = types if isinstance(types, list) else [types]
+    if isinstance(value, float) and "integer" in types and "number" not in types:
+        whole = f" (write {int(value)})" if value.is_integer() else ""
+        raise ConfigError(
+            f"config key {where} = {value} must be a whole number written without a "
+            f"decimal point{whole}"
+        )
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        extra = schema.get("additionalProperties")
+        for k, v in value.items():
+            sub = props.get(k, extra if isinstance(extra, dict) else {})
+            _refuse_fractional(v, sub, f"{where}.{k}" if where else str(k))
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, v in enumerate(value):
+            _refuse_fractional(v, schema["items"], f"{where}[{i}]")
 
 
 def coerce_to_schema(cfg: dict) -> dict:
@@ -412,6 +419,8 @@ def _coerce(value: Any, schema: dict) -> Any:
     if isinstance(value, str):
         if "integer" in types and re.fullmatch(r"[+-]?\d+", value):
             return int(value)
+        if "integer" in types and re.fullmatch(r"[+-]?\d+\.\d*", value):
+            return float(value)  # refused as a fraction, naming the key (write 2)
         if "number" in types:
             try:
                 return float(value)
