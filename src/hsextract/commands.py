@@ -22,7 +22,7 @@ import json
 import os
 import shlex
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -90,11 +90,32 @@ def record(run_dir: str | os.PathLike[str], sources: ConfigSources) -> None:
 
 
 def recorded(run_dir: str | os.PathLike[str]) -> ConfigSources | None:
-    """The sources a run dir's last workflow recorded, or None (none recorded, unreadable)."""
+    """The sources a run dir's last workflow recorded, where the run dir is now.
+
+    A run dir copied or moved with its project (a relative output_root: the recorded
+    ``run_dir`` is the tail of its path) is rendered from the directory it is in now, with
+    the config files that were inside the old one found inside the new one.  Anywhere else
+    (an absolute output_root moved, no record): None, so no command points at the
+    original run, whose chunks it would redo.
+    """
     try:
-        return _parse((Path(run_dir) / RECORD).read_text())
+        src = _parse((Path(run_dir) / RECORD).read_text())
     except OSError:
         return None
+    if src is None or not src.run_dir:
+        return None
+    here = Path(os.path.realpath(run_dir))
+    if _same(Path(src.workdir, src.run_dir), here):
+        return src
+    tail = Path(src.run_dir).parts
+    if Path(src.run_dir).is_absolute() or here.parts[-len(tail) :] != tail:
+        return None
+    new, old = here.parents[len(tail) - 1], Path(src.workdir)
+    files = tuple(
+        str(new / Path(f).relative_to(old)) if Path(f).is_relative_to(old) else f
+        for f in src.configfiles
+    )
+    return replace(src, workdir=str(new), configfiles=files)
 
 
 def _parse(text: str | None) -> ConfigSources | None:
