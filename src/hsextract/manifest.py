@@ -32,7 +32,8 @@ class ManifestError(HsextractError):
 
 
 def _redo(path: Path) -> str:
-    return f"delete it and rerun `{snakemake_command(path, run_dir=Path(path).parent.parent)}`"
+    redo = snakemake_command(Path(path), run_dir=Path(path).parent.parent)
+    return f"delete it and rerun `{redo}` (or extract_all)"
 
 
 def build_manifest(
