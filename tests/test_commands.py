@@ -67,12 +67,14 @@ def test_every_readme_config_entry_is_taken_by_snakemake_and_hsextract(tmp_path)
     hsextract refuses the dotted one naming it."""
     from snakemake.cli import parse_config
 
-    from hsextract.cli import parse_config_entries
-
     entries = _readme_config_entries()
     assert any(e.startswith("server=") for e in entries), entries
     for entry in entries:
         parse_config([entry])  # raises ValueError on what Snakemake refuses
+
+    from hsextract.cli import parse_config_entries  # the CLI parses them as Snakemake does
+
+    for entry in entries:
         assert parse_config_entries([entry]) == parse_config([entry])
     work = make_workdir(tmp_path / "w", output_root=str(tmp_path / "out"))
     proc = subprocess.run(
