@@ -74,6 +74,10 @@ from hsextract.interrupt import keep_ctrl_c
 keep_ctrl_c()
 
 
+onstart:
+    record_sources(RUN, SOURCES)
+
+
 onsuccess:
     stop_servers()
 

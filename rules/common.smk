@@ -5,7 +5,10 @@ import sys
 from pathlib import Path
 
 from hsextract.budget import _start_time
+from hsextract.commands import record as record_sources
+from hsextract.commands import set_current, sources_of
 from hsextract.config import (
+    check_output_root,
     chunk_count,
     chunk_sizing,
     demo_data_settings_file,
@@ -21,6 +24,7 @@ from hsextract.config import (
 from hsextract.config import demo_shards as config_demo_shards
 from hsextract.config import input_shards as config_input_shards
 from hsextract.dp import server_gpu_count
+from hsextract.errors import ConfigError
 from hsextract.server import (
     OWNER_ENV,
     OWNER_SCOPE_ENV,
@@ -52,13 +56,35 @@ MAX_SEQ_LEN_FROM = where_set(
 CFG = typed(config)
 
 RUN = run_dir(CFG)
+
+
+def refuse_unwritable_output_root(write=True):
+    """An output_root that cannot be written ends the run before any job in one sentence,
+    not in a traceback from the first write (the run claim's) or Snakemake's output scan."""
+    try:
+        check_output_root(CFG.output_root, write=write)
+    except ConfigError as exc:
+        print(f"hsextract: error: {exc}", file=sys.stderr)
+        raise SystemExit(1)
+
+
 # One workflow per run dir at a time, whatever its working directory (Snakemake's own lock
 # is per directory): a second one is refused here, before it or a job touches anything
 # (stale.claim_run).  The main process only, when it may run jobs: its jobs (a nested
-# Snakemake, or one on a SLURM node) work under its hold, and a dry run touches nothing.
+# Snakemake, or one on a SLURM node) work under its hold, and a dry run touches nothing
+# (only a path that runs through a file is refused for it).
 # The hold is released, and its file removed, when this process exits.
-if inherited_owner() is None and workflow.is_main_process and runs_jobs():
-    claim_run(RUN, os.getpid())
+if inherited_owner() is None and workflow.is_main_process:
+    if runs_jobs():
+        refuse_unwritable_output_root(write=True)
+        claim_run(RUN, os.getpid())
+    else:
+        refuse_unwritable_output_root(write=False)
+# Every command a message suggests carries this config's sources (hsextract.commands): the
+# jobs inherit them in the environment; onstart records them in the run dir for readers
+# holding only the run (verify, a trainer's ManifestDataset).
+SOURCES = sources_of(workflow.overwrite_configfiles, dict(workflow.config_settings.config), RUN)
+set_current(SOURCES, export=True)
 # What one server takes: a chunk job's GPUs (its group's allocation under SLURM asks this).
 SERVER_GPUS = server_gpu_count(CFG)
 FINGERPRINT = fingerprint(CFG)

@@ -4,9 +4,9 @@ the same config -- the ``--configfile`` files or, with none, ./config.yaml, then
 
 from __future__ import annotations
 
-import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -24,7 +24,7 @@ from fixtures_demo import (
     snakemake_cmd,
 )
 
-from hsextract.config import is_loopback, load_config, read_config, run_dir
+from hsextract.config import config_entry, is_loopback, load_config, read_config, run_dir
 from hsextract.errors import ConfigError
 
 
@@ -99,9 +99,12 @@ def test_bad_values_are_refused_at_validation_naming_the_key(tmp_path, override,
         load_config(cfg_path, override)
     assert says in str(err.value)
     assert "\n" not in str(err.value)
-    # The same sentence from the CLI, no traceback.
+    # The same sentence from the CLI, no traceback, --config as Snakemake takes it (a
+    # group's key inside its mapping: no dotted keys), and the --config entry named.
     arg = next(iter(override))
-    proc = _hsextract("run-dir", "--config", f"{arg}={json.dumps(override[arg])}", cwd=project)
+    entry = config_entry(arg.split("."), override[arg])
+    proc = _hsextract("run-dir", "--config", entry, cwd=project)
+    assert proc.stderr.startswith(f"hsextract: error: --config {shlex.quote(entry)}: ")
     assert proc.returncode != 0 and says in proc.stderr and "Traceback" not in proc.stderr
 
 

@@ -25,6 +25,7 @@ from specforge.runtime.data_plane.offline_reader import OfflineManifestReader
 from test_export_common import make_one_chunk_stale, put_other_records_in
 
 from hsextract.chunks import ChunkReader, ChunkWriter
+from hsextract.commands import snakemake_command
 from hsextract.export.common import record_indices
 from hsextract.export.specforge import export_chunk
 
@@ -382,7 +383,7 @@ def test_a_stale_chunk_is_refused(demo_copy):
     assert f"{stale}: {hidden} holds other records than chunks/index.json assigns it" in (
         res.stderr
     )
-    assert f"rerun `snakemake -j1 {hidden}`" in res.stderr
+    assert f"rerun `{snakemake_command(hidden, run_dir=rd)}`" in res.stderr
     assert stamps(out) == before  # every chunk is checked before anything is written
     # The workflow's chunk job refuses such a chunk when nothing upstream sees it (-k:
     # the manifest job may refuse first).

@@ -12,6 +12,7 @@ from fixtures_demo import make_workdir, planned_jobs, run_dir_of, run_snakemake
 from test_export_common import copy_workdir, make_one_chunk_stale, put_other_records_in
 
 from hsextract.chunks import ChunkReader
+from hsextract.commands import snakemake_command
 from hsextract.export.common import record_indices
 
 
@@ -125,7 +126,9 @@ def test_speculators_export_refuses_a_stale_chunk(prenorm_copy):
     before = files_of(out)
     res = cli("--manifest", str(rd / "manifest.json"))
     assert res.returncode == 1, res.stdout
-    assert message in res.stderr and f"rerun `snakemake -j1 {hidden}`" in res.stderr
+    assert (
+        message in res.stderr and f"rerun `{snakemake_command(hidden, run_dir=rd)}`" in res.stderr
+    )
     assert files_of(out) == before  # every chunk is checked before anything is written
 
     # What the message says to do gives an export of the new tokens' states.

@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 import torch
 
+from hsextract.commands import snakemake_command
+
 pytestmark = pytest.mark.workflow
 
 
@@ -94,7 +96,7 @@ def test_specforge_export_refuses_a_chunk_whose_bytes_changed(demo_copy):
     assert len(lines) == 1, res.stderr
     assert lines[0].startswith(f"hsextract: error: chunk_00001: {victim} has sha256 {actual[:12]}")
     assert f"not the {expected[:12]}" in lines[0]
-    assert f"delete {victim} and rerun `snakemake -j1 {victim}`" in lines[0]
+    assert f"delete {victim} and rerun `{snakemake_command(victim, run_dir=rd)}`" in lines[0]
     assert sha(victim) == actual  # never deleted or repaired for the user
     assert not (rd / "export" / "specforge" / "done" / "chunk_00001.json").exists()
     assert not any(p.exists() for p in chunk_files(rd, "chunk_00001"))
@@ -118,7 +120,7 @@ def test_a_frame_that_does_not_decode_is_blamed_on_the_changed_bytes(demo_copy):
     res = hsextract("export", "specforge", "--manifest", str(rd / "manifest.json"))
     assert res.returncode == 1 and "Traceback" not in res.stderr
     assert f"{victim} has sha256 {sha(victim)[:12]}" in res.stderr
-    assert f"rerun `snakemake -j1 {victim}`" in res.stderr
+    assert f"rerun `{snakemake_command(victim, run_dir=rd)}`" in res.stderr
     assert victim.exists()
 
 
@@ -174,7 +176,10 @@ def test_speculators_export_refuses_a_chunk_whose_bytes_changed(demo_copy, tmp_p
         export_chunk(hidden, rd, out, marker)
     msg = str(err.value)
     assert msg.startswith(f"chunk_00000: {hidden} has sha256 {sha(hidden)[:12]}"), msg
-    assert f"not the {expected[:12]}" in msg and f"rerun `snakemake -j1 {hidden}`" in msg
+    assert (
+        f"not the {expected[:12]}" in msg
+        and f"rerun `{snakemake_command(hidden, run_dir=rd)}`" in msg
+    )
     assert "\n" not in msg
     assert not marker.exists() and not any(p.exists() for p in paths)
     assert hidden.exists()
@@ -206,8 +211,11 @@ def test_dataset_checks_each_chunk_once_and_refuses_changed_bytes(demo_copy, mon
     assert str(err.value) == (
         f"{victim} has sha256 {sha(victim)[:12]}..., not the {expected[:12]}... recorded "
         f"when it was extracted (its bytes changed on disk since): delete {victim} and "
-        f"rerun `snakemake -j1 {victim}`"
+        f"rerun `{snakemake_command(victim, run_dir=rd)}`"
     )
+    # The advice redoes the copy's chunk (from its directory, with the project's
+    # Snakefile), not the original run's whose workflow recorded the config.
+    assert f"`cd {demo_copy['workdir']} && snakemake -j1 results/" in str(err.value)
     with pytest.raises(ChunkFileError):
         ds[n0 + 1]  # a failed check is not cached as passed
     ManifestDataset(rd / "manifest.json")[0]  # another dataset, same process: no rehash

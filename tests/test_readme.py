@@ -335,6 +335,37 @@ def test_hsextract_command_parses(cmd: Command):
         raise AssertionError(f"{cmd}: {err.getvalue()}") from exc
 
 
+# The cheap ones, run as printed in the README's workdir: they read a config and change
+# nothing (server start/stop, export and verify need a run; tests/test_cli.py runs them).
+CHEAP = ("run-dir", "plan", "status", "server command", "server status", "--help")
+RUN_CHEAP = list(
+    {
+        c.argv: c
+        for c in HSEXTRACT
+        if not c.inline and any(" ".join(c.argv[1:]).startswith(w) for w in CHEAP)
+    }.values()
+)
+
+
+@pytest.mark.parametrize("cmd", RUN_CHEAP, ids=_ids(RUN_CHEAP))
+def test_hsextract_command_runs_as_printed(cmd: Command, workdir):
+    """Each ends in its output or one sentence (`plan` before the data stage, `server
+    status` with no server), never a traceback; a command that sentence suggests parses."""
+    from snakemake.cli import parse_args
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "hsextract.cli", *_fill(cmd.argv[1:], workdir["fp"])],
+        cwd=workdir["dir"], capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert "Traceback" not in proc.stderr, f"{cmd}:\n{proc.stderr[-3000:]}"
+    if proc.returncode != 0:
+        allowed = cmd.argv[1:3] == ("server", "status") and proc.returncode == 1
+        assert allowed or proc.stderr.startswith("hsextract: error: "), f"{cmd}: {proc.stderr}"
+    for hint in re.findall(r"(?:^|`|: )(snakemake -j1 [^`\n]*)", proc.stdout + proc.stderr):
+        with contextlib.redirect_stderr(io.StringIO()):
+            parse_args(shlex.split(hint)[1:])
+
+
 def _nothing_required(parser: argparse.ArgumentParser) -> None:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):

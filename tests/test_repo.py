@@ -53,7 +53,7 @@ def test_production_server_command_prints_env_and_argv(version: str):
     out = subprocess.run(
         [sys.executable, "-m", "hsextract.cli", "server", "command",
          "--configfile", str(REPO / "configs" / "deepseek-v3-8xh200.yaml"),
-         "--config", f"sglang.version={version}"],
+         "--config", f"sglang={{version: {version}}}"],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     assert "export SGLANG_HS_DUMP_DIR=" in out

@@ -78,7 +78,11 @@ def sha256_file(
 def redo_chunk(path: str | os.PathLike[str]) -> str:
     """What to do about a damaged chunk file: never deleted for the user (it may be the
     only copy of hours of GPU time, and the damage may be elsewhere: a bad disk)."""
-    return f"delete {path} and rerun `snakemake -j1 {path}`"
+    from hsextract.commands import snakemake_command
+
+    # A chunk file lives in <run>/hidden/: the run's recorded config renders the command.
+    run = Path(path).parent.parent
+    return f"delete {path} and rerun `{snakemake_command(Path(path), run_dir=run)}`"
 
 
 def digest_mismatch(path: str | os.PathLike[str], expected: str, actual: str) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
+from hsextract.commands import hsextract_command, snakemake_command
 from hsextract.errors import HsextractError
 from hsextract.interrupt import INTERRUPTED_EXIT, interrupted_message
 
@@ -31,13 +33,41 @@ if TYPE_CHECKING:
 
 
 def _load(args: argparse.Namespace) -> Config:
-    from hsextract.config import read_config
+    """The config of ``--configfile``/``--config``, read as Snakemake reads them; and the
+    sources every command this process prints is rendered with (hsextract.commands)."""
+    from hsextract.commands import set_current, sources_of
+    from hsextract.config import read_config, run_dir
 
-    overrides = {}
-    for item in args.config or []:
-        key, _, value = item.partition("=")
-        overrides[key] = yaml.safe_load(value)
-    return read_config(args.configfile, overrides)
+    overrides = parse_config_entries(args.config or [])
+    cfg = read_config(args.configfile, overrides)
+    set_current(sources_of(args.configfile, overrides, run_dir(cfg)))
+    return cfg
+
+
+def parse_config_entries(entries: list[str]) -> dict:
+    """``--config`` entries parsed by Snakemake's own parser: an entry either takes works
+    in both.  Snakemake refuses a dotted key (``server.port=30000``: "Invalid config
+    definition"), so it is refused here too, naming the form both take."""
+    from snakemake.cli import parse_config
+
+    from hsextract.config import config_entry
+
+    for entry in entries:
+        key, eq, value = entry.partition("=")
+        if eq and "." in key:
+            path = key.split(".")
+            nested = config_entry(path, yaml.safe_load(value) if value else None)
+            raise HsextractError(
+                f"--config {entry}: Snakemake takes no dotted keys, so neither does hsextract; "
+                f"write it as --config {shlex.quote(nested)} (works in both)"
+            )
+    try:
+        return parse_config(entries)
+    except ValueError as exc:
+        raise HsextractError(
+            f"--config {' '.join(map(shlex.quote, entries))}: {exc}; write each entry as "
+            "KEY=VALUE, a group as KEY='{sub: value}' (e.g. server='{port: 30000}')"
+        ) from None
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -49,7 +79,12 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         metavar="F",
         help="workflow config file(s), merged in order (default: ./config.yaml)",
     )
-    p.add_argument("--config", nargs="*", metavar="KEY=VALUE", help="overrides, dotted keys")
+    p.add_argument(
+        "--config",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="overrides, as Snakemake's: KEY=VALUE, a group as KEY='{sub: value}'",
+    )
 
 
 def shell_command(env: dict[str, str], argv: list[str]) -> str:
@@ -165,12 +200,13 @@ def manifest_path(path: Path) -> Path:
     in one sentence naming it and what to pass instead: the checks below read the fields
     of a manifest, and on anything else they fail with a traceback.
     """
-    hint = "pass the manifest.json of a run (`hsextract run-dir` prints the run dir)"
+    run_dir_cmd = hsextract_command("run-dir", run_dir=path if path.is_dir() else None)
+    hint = f"pass the manifest.json of a run (`{run_dir_cmd}` prints the run dir)"
     if path.is_dir():
         if not (path / "manifest.json").is_file():
             raise HsextractError(
                 f"{path} is a directory without a manifest.json: not a finished run; {hint}, "
-                "or run `snakemake -j1 extract_all` to finish it"
+                f"or run `{snakemake_command('extract_all', run_dir=path)}` to finish it"
             )
         path = path / "manifest.json"
     try:
@@ -205,7 +241,7 @@ def _plan(args: argparse.Namespace) -> int:
     if not index.exists():
         raise HsextractError(
             f"{index} does not exist yet: run the data stage first (CPU only): "
-            f"snakemake -j1 {index}"
+            f"{snakemake_command(index)}"
         )
     states = chunk_states(rd, index, fingerprint(cfg))
     todo = [s for s in states if not s.current]
@@ -224,12 +260,12 @@ def _plan(args: argparse.Namespace) -> int:
             print(f"  {line}")
         print(
             "the next run re-merges; to see the chunks they change: "
-            f"`snakemake -j1 {index}`, then this again"
+            f"`{snakemake_command(index)}`, then this again"
         )
     else:
         print(
             "(from the split as it is now; if settings changed since, run "
-            f"`snakemake -j1 {index}` first)"
+            f"`{snakemake_command(index)}` first)"
         )
     return 0
 
@@ -304,6 +340,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     exits 130, as a shell reports a command SIGINT ended.  Anything else is a bug and keeps
     its traceback.
     """
+    from hsextract.commands import set_current
+
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
@@ -316,12 +354,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return INTERRUPTED_EXIT
     except OSError as exc:
         where = f" {exc.filename}" if exc.filename else ""
-        print(f"hsextract: error: cannot read{where}: {exc.strerror or exc}", file=sys.stderr)
+        print(
+            f"hsextract: error: cannot use{where}: {exc.strerror or exc}; make it readable "
+            "and writable by this user, or set the config's paths (output_root, dump.dir) "
+            "to a place that is",
+            file=sys.stderr,
+        )
         return 1
     except yaml.YAMLError as exc:
         given = ", ".join(getattr(args, "configfile", None) or ["./config.yaml"])
         print(f"hsextract: error: config file {given} is not valid YAML: {exc}", file=sys.stderr)
         return 1
+    finally:
+        set_current(None)
 
 
 if __name__ == "__main__":

@@ -65,7 +65,9 @@ def load_config(
     fingerprint), and ``--config 'demo={enabled: false}'`` kept its ``max_seq_len: 512``.
     """
     layers = [(str(f), read_config_file(f)) for f in config_files(configfiles)]
-    layers.append(("--config", coerce_to_schema(nest(overrides or {}))))  # strings typed
+    extra = coerce_to_schema(nest(overrides or {}))  # --config's values are strings
+    refuse_bad_overrides(extra)
+    layers.append(("--config", extra))
     refuse_demo_leak(layers)
     cfg: dict = {}
     for _, layer in layers:
@@ -139,7 +141,7 @@ def read_config_file(path: Path) -> dict:
         why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
         raise ConfigError(f"config file {path} cannot be read: {why}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
@@ -153,6 +155,34 @@ def read_config_file(path: Path) -> dict:
             "(key: value lines, as in config.yaml)"
         )
     return data
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key written twice in one mapping.
+
+    PyYAML keeps the last of two equal keys without a word, so a config that sets
+    ``port`` twice (an edit pasted below the old line) ran with whichever came last; the
+    YAML spec says keys are unique, so it is refused, naming the line of each.
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base` merges, and may be overridden below it
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            try:
+                first = seen.setdefault(key, line)
+            except TypeError:
+                continue  # an unhashable key: the constructor below refuses it
+            if first != line:
+                raise yaml.constructor.ConstructorError(
+                    problem=f"key {key!r} is set twice in one mapping (lines {first} and "
+                    f"{line}), and YAML would silently keep the last: delete one of them",
+                    problem_mark=key_node.start_mark,
+                )
+        return super().construct_mapping(node, deep=deep)
 
 
 def nest(overrides: Mapping[str, Any]) -> dict:
@@ -178,6 +208,77 @@ def merge_into(base: dict, top: Mapping[str, Any]) -> dict:
         else:
             base[key] = dict(value) if isinstance(value, Mapping) else value
     return base
+
+
+def refuse_bad_overrides(overrides: dict) -> None:
+    """A ``--config`` value the schema refuses is named as ``--config KEY=VALUE``.
+
+    Checked before the merge: validated with the files, it was reported as a bad key of
+    the config (the hsextract CLI even blamed ``./config.yaml`` for a value that did not
+    parse), and the user looked for it in the wrong file.
+    """
+    import difflib
+    import shlex
+
+    import jsonschema
+
+    def walk(value: Any, schema: dict, path: list[str]) -> None:
+        props = schema.get("properties")
+        if isinstance(value, dict) and props is not None:
+            extra = schema.get("additionalProperties", True)
+            for key, sub in value.items():
+                if key in props:
+                    walk(sub, props[key], [*path, str(key)])
+                elif isinstance(extra, dict):
+                    walk(sub, extra, [*path, str(key)])
+                elif extra is False:
+                    close = difflib.get_close_matches(str(key), sorted(props), n=1)
+                    hint = f" (did you mean {close[0]}?)" if close else ""
+                    where = ".".join(path)
+                    raise ConfigError(
+                        f"--config {shlex.quote(config_entry([*path, str(key)], sub))}: config "
+                        f"key {'.'.join([*path, str(key)])}{hint} is not a setting; "
+                        f"{where or 'the top level'} takes {', '.join(sorted(props))}"
+                    )
+            return
+        entry = shlex.quote(config_entry(path, value))
+        try:
+            _refuse_fractional(value, schema, ".".join(path))
+        except ConfigError as exc:
+            raise ConfigError(f"--config {entry}: {exc}") from None
+        leaf = {k: v for k, v in schema.items() if k != "required"}
+        error = jsonschema.exceptions.best_match(
+            jsonschema.Draft202012Validator(leaf).iter_errors(value)
+        )
+        if error is not None:
+            group = " (a group is written KEY='{sub: value}', e.g. server='{port: 0}')"
+            raise ConfigError(
+                f"--config {entry}: config key {'.'.join(path)} = "
+                f"{json.dumps(value, default=str)} is refused: {error.message}; fix that "
+                "--config value" + (group if schema.get("type") == "object" else "")
+            )
+
+    walk(overrides, _schema(), [])
+
+
+def config_entry(path: list[str], value: Any) -> str:
+    """``server={port: 1}``: one key's ``--config`` entry as Snakemake reads it (a group as
+    a YAML flow mapping, which its parser and :func:`load_config` both take)."""
+
+    def flow(v: Any, top: bool = False) -> str:
+        if isinstance(v, Mapping):
+            return "{" + ", ".join(f"{k}: {flow(x)}" for k, x in v.items()) + "}"
+        if isinstance(v, list | tuple):
+            return "[" + ", ".join(flow(x) for x in v) + "]"
+        if v is None or isinstance(v, bool):
+            return json.dumps(v)
+        text = str(v)
+        plain = top or re.fullmatch(r"[\w./@+~-][\w./@+~ -]*", text) is not None
+        return text if plain else json.dumps(text)
+
+    for key in reversed(path[1:]):
+        value = {key: value}
+    return f"{path[0]}={flow(value, top=True)}"
 
 
 def refuse_demo_leak(layers: list[tuple[str, dict]]) -> None:
@@ -298,7 +399,10 @@ def schema_refusal(cfg: dict) -> str | None:
     value = json.dumps(error.instance, default=str)
     if error.validator == "required":
         return f"config {where or 'top level'}: {error.message}"
-    return f"config key {where or '(top level)'} = {value} is refused: {error.message}"
+    return (
+        f"config key {where or '(top level)'} = {value} is refused: {error.message}; set it to "
+        "a value it takes (README, 'What each setting changes')"
+    )
 
 
 def refuse_fractional_integers(cfg: dict) -> None:
@@ -308,26 +412,27 @@ def refuse_fractional_integers(cfg: dict) -> None:
     (``range(4.0)``) -- or, for ``seed``, renamed the merge's settings file, rerunning it.
     """
 
-    def walk(value: Any, schema: dict, where: str) -> None:
-        types = schema.get("type", [])
-        types = types if isinstance(types, list) else [types]
-        if isinstance(value, float) and "integer" in types and "number" not in types:
-            whole = f" (write {int(value)})" if value.is_integer() else ""
-            raise ConfigError(
-                f"config key {where} = {value} must be a whole number written without a "
-                f"decimal point{whole}"
-            )
-        if isinstance(value, dict):
-            props = schema.get("properties", {})
-            extra = schema.get("additionalProperties")
-            for k, v in value.items():
-                sub = props.get(k, extra if isinstance(extra, dict) else {})
-                walk(v, sub, f"{where}.{k}" if where else str(k))
-        elif isinstance(value, list) and isinstance(schema.get("items"), dict):
-            for i, v in enumerate(value):
-                walk(v, schema["items"], f"{where}[{i}]")
+    _refuse_fractional(cfg, _schema(), "")
 
-    walk(cfg, _schema(), "")
+
+def _refuse_fractional(value: Any, schema: dict, where: str) -> None:
+    types = schema.get("type", [])
+    types = types if isinstance(types, list) else [types]
+    if isinstance(value, float) and "integer" in types and "number" not in types:
+        whole = f" (write {int(value)})" if value.is_integer() else ""
+        raise ConfigError(
+            f"config key {where} = {value} must be a whole number written without a "
+            f"decimal point{whole}"
+        )
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        extra = schema.get("additionalProperties")
+        for k, v in value.items():
+            sub = props.get(k, extra if isinstance(extra, dict) else {})
+            _refuse_fractional(v, sub, f"{where}.{k}" if where else str(k))
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, v in enumerate(value):
+            _refuse_fractional(v, schema["items"], f"{where}[{i}]")
 
 
 def coerce_to_schema(cfg: dict) -> dict:
@@ -347,6 +452,8 @@ def _coerce(value: Any, schema: dict) -> Any:
     if isinstance(value, str):
         if "integer" in types and re.fullmatch(r"[+-]?\d+", value):
             return int(value)
+        if "integer" in types and re.fullmatch(r"[+-]?\d+\.\d*", value):
+            return float(value)  # refused as a fraction, naming the key (write 2)
         if "number" in types:
             try:
                 return float(value)
@@ -580,6 +687,35 @@ def check_dump_dir(cfg: dict) -> None:
         why = dump_dir_refusal(Path(configured))
         if why:
             raise ConfigError(why)
+
+
+def check_output_root(output_root: str | os.PathLike[str], *, write: bool = True) -> None:
+    """Refuse, in one sentence, an output root this user cannot create or write in.
+
+    Without ``write`` (planning, dry runs too) only what fails every command: a path
+    through a file (Snakemake's scan of the outputs then ended in NotADirectoryError).
+    With it (the workflow's start, before anything is written) a read-only root too
+    (EROFS, EACCES), which otherwise failed in a traceback from whichever write came first.
+    """
+    root = Path(output_root)
+    fix = "set output_root to a directory this user can write, or make that one writable"
+    existing = Path(os.path.abspath(root))
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"output_root {root} cannot be written ({existing} is a file): {fix}")
+    if not write:
+        return
+    probe = root / f".hsextract-write-test.{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        where = exc.filename or root
+        raise ConfigError(
+            f"output_root {root} cannot be written ({where}: {exc.strerror or exc}): {fix}"
+        ) from None
 
 
 def resolved_addresses(host: str) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from hsextract.commands import hsextract_command
 from hsextract.errors import HsextractError
 
 
@@ -97,7 +98,8 @@ def _describe(busy: list[dict[str, Any]], max_used_mib: int) -> str:
     return (
         f"GPU gate: {len(busy)} GPU(s) over {max_used_mib} MiB or with compute processes:\n"
         + "\n".join(lines)
-        + "\nStop those processes (e.g. `kill <PID>`; a stale server: `hsextract server stop`), "
+        + "\nStop those processes (e.g. `kill <PID>`; a stale server: "
+        + f"`{hsextract_command('server', 'stop')}`), "
         "or wait with --wait-s, or raise gpu.max_used_mib if the usage is expected."
     )
 

@@ -20,6 +20,7 @@ import orjson
 # The structural half only: building the manifest, once after the last chunk of every run,
 # reads no states, and importing torch (hsextract.chunks) was most of its time.
 from hsextract.chunkfile import ChunkFileError, check_chunk, digest_mismatch, sha256_file
+from hsextract.commands import snakemake_command
 from hsextract.config import Config, fingerprint, public_config, storage_codec, typed
 from hsextract.errors import HsextractError
 from hsextract.records import content_digest, read_index, record_digest
@@ -31,7 +32,8 @@ class ManifestError(HsextractError):
 
 
 def _redo(path: Path) -> str:
-    return f"delete it and rerun `snakemake -j1 {path}` (or extract_all)"
+    redo = snakemake_command(Path(path), run_dir=Path(path).parent.parent)
+    return f"delete it and rerun `{redo}` (or extract_all)"
 
 
 def build_manifest(
@@ -50,7 +52,8 @@ def build_manifest(
     if sha256_file(train) != idx["source_sha256"]:
         raise ManifestError(
             f"{train} changed after split_chunks ({index} was made from another version); "
-            "rerun `snakemake -j1 extract_all` (the split reruns, changed chunks re-extract)"
+            f"rerun `{snakemake_command('extract_all', run_dir=root)}` (the split reruns, "
+            "changed chunks re-extract)"
         )
     fp = fingerprint(cfg)
     codec = storage_codec(cfg)
@@ -273,7 +276,10 @@ class _Fields:
 
     def __init__(self, manifest: Path) -> None:
         self.manifest = manifest
-        self.rebuild = f"rebuild it: delete {manifest} and rerun `snakemake -j1 extract_all`"
+        self.rebuild = (
+            f"rebuild it: delete {manifest} and rerun "
+            f"`{snakemake_command('extract_all', run_dir=Path(manifest).parent)}`"
+        )
         self.problems: list[str] = []
 
     def chunk_field(self, name: str, field: str, have: object, want: object, source: str) -> None:
@@ -454,8 +460,9 @@ def _input_problems(root: Path, data: dict) -> list[str]:
     except HsextractError as exc:
         changed = [str(exc)]
     return [
-        f"input {line}: the chunks are of what the merge read; rerun `snakemake -j1 "
-        "extract_all --forcerun merge_and_shuffle` (chunks whose records changed re-extract)"
+        f"input {line}: the chunks are of what the merge read; rerun "
+        f"`{snakemake_command('extract_all', '--forcerun', 'merge_and_shuffle', run_dir=root)}` "
+        "(chunks whose records changed re-extract)"
         for line in changed
     ]
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hsextract.commands import snakemake_command
 from hsextract.config import Config, chunk_count
 from hsextract.errors import HsextractError
 from hsextract.records import input_changes, read_index, resolve_inputs
@@ -52,20 +53,20 @@ def check_data_matches_config(cfg: Config, index_path: Path, stats_path: Path) -
     if diff:
         raise PlanError(
             f"{stats_path} was merged with other settings ({'; '.join(diff)}); run "
-            "`snakemake -j1 extract_all --forcerun merge_and_shuffle`"
+            f"`{snakemake_command('extract_all', '--forcerun', 'merge_and_shuffle')}`"
         )
     changed = changed_inputs(cfg, stats)
     if changed:
         raise PlanError(
             f"the inputs changed since {stats_path} was merged ({'; '.join(changed)}); run "
-            "`snakemake -j1 extract_all --forcerun merge_and_shuffle`"
+            f"`{snakemake_command('extract_all', '--forcerun', 'merge_and_shuffle')}`"
         )
     want = chunk_count(cfg)
     if index.get("n_chunks") != want:
         shown = f"auto ({want})" if cfg.n_chunks == "auto" else str(want)
         raise PlanError(
             f"{index_path} splits into {index.get('n_chunks')} chunks, n_chunks is "
-            f"{shown}; run `snakemake -j1 extract_all --forcerun split_chunks`"
+            f"{shown}; run `{snakemake_command('extract_all', '--forcerun', 'split_chunks')}`"
         )
 
 

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from hsextract.commands import hsextract_command
 from hsextract.config_types import Config
 from hsextract.dp import dp_size, expected_workers, lost_workers
 from hsextract.errors import HsextractError
@@ -124,6 +125,27 @@ def free_port(host: str = "127.0.0.1", max_port: int = 65535) -> int:
                 continue
             return int(s.getsockname()[1])
     raise ServerError(f"no free port at most {max_port} on {host}; set server.port")
+
+
+def refuse_taken_port(host: str, port: int) -> None:
+    """A fixed ``server.port`` someone else listens on is refused before a start.
+
+    Otherwise the server started, failed to bind, and meanwhile the other program answered
+    our health check: the run failed later in a traceback (an HTTP 404 from
+    ``/get_model_info``) that never named the port.  Bound as the engines bind
+    (SO_REUSEADDR), so a port our stopped server left in TIME_WAIT counts as free.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host.strip("[]"), port))
+        except OSError as exc:
+            raise ServerError(
+                f"server.port {port} on {host} is taken by a program that is not this run's "
+                f"server ({exc.strerror or exc}): set server.port to another free port, or "
+                "to 0 to pick a free one at each start"
+            ) from None
 
 
 def pid_alive(pid: int | str | None) -> bool:
@@ -376,10 +398,22 @@ def wait_healthy(state: dict, *, live: Path | None = None, poll_s: float = 0.1) 
                 f"{log_tail(spec.log_path)}",
             )
         time.sleep(poll_s)
+    try:
+        info = model_info(spec.url, api_key)
+        if not isinstance(info, dict):
+            raise ValueError(f"not a JSON object: {info!r:.80}")
+    except (OSError, ValueError) as exc:  # requests' errors are OSErrors
+        _fail(
+            state,
+            live,
+            f"{spec.url} answered /health but not /get_model_info ({exc}): port {spec.port} "
+            "is served by a program that is not this run's server; set server.port to "
+            "another free port, or to 0 to pick a free one at each start",
+        )
     healthy = {
         **state,
         "healthy_at": time.time(),
-        "model_info": model_info(spec.url, api_key),
+        "model_info": info,
         "server_version": server_version(spec.url, api_key),
     }
     if live is None:
@@ -635,8 +669,8 @@ def ensure(
                 if state.get("failed"):  # type: ignore[union-attr]
                     raise ServerError(
                         f"{state['failed']}\n(this start's failure is recorded in {live}: a "  # type: ignore[index]
-                        "new `snakemake` run starts the server afresh; `hsextract server "
-                        "stop` clears the record)"
+                        "new `snakemake` run starts the server afresh; "
+                        f"`{hsextract_command('server', 'stop')}` clears the record)"
                     )
                 # Gone before anyone saw it healthy (a bad flag exits at once): the wait
                 # below says so and records it.
@@ -653,6 +687,8 @@ def ensure(
                     port = free_port(spec.host, spec.extra.get("max_port", 65535))
                     spec = replace(spec, port=port)
                     spec.argv = _with_port(spec.argv, spec.port)
+                else:
+                    refuse_taken_port(spec.host, spec.port)
                 state = start(spec, wait=False, detached=detached)
                 write_json(live, state)
                 if not wait:

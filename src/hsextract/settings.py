@@ -81,6 +81,9 @@ class Group:
 
 S = Setting
 _POS = {"minimum": 1}
+#: The most chunk files a run is split into: Snakemake plans a job per chunk (51,200 took
+#: 38 s, bench/README), and 10^8 ran out of memory in a traceback before any sentence.
+MAX_CHUNKS = 1_000_000
 _NONNEG = {"minimum": 0}
 _POS_NUM = {"exclusiveMinimum": 0}
 LAUNCH = ("launch spec",)
@@ -94,7 +97,7 @@ DECLARED: tuple[Setting | Group, ...] = (
     S("output_root", "string", "runs live in <output_root>/<fingerprint>/", ("run location",), ("merge",),
       sample="elsewhere", note="the demo's shards move with it"),
     S("n_chunks", ("integer", "string"), "how many chunk files the records are split into; auto = the inputs' tokens over chunk_tokens (hsextract.sizing)",
-      ("chunk content",), ("split",), "auto", sample=5, schema={"minimum": 1, "pattern": "^auto$"},
+      ("chunk content",), ("split",), "auto", sample=5, schema={"minimum": 1, "maximum": MAX_CHUNKS, "pattern": "^auto$"},
       note="`auto`: counted from the inputs once per version of them; `hsextract plan` says the size"),
     S("chunk_tokens", ("integer", "null"), "n_chunks: auto's target tokens a chunk; null = 144,000 (~4 s of an 8B target's prefill on one H200); within [1,024, 4,194,304]",
       ("chunk content",), ("split",), None, sample=4096, schema={"minimum": 1},

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hsextract.commands import snakemake_command
 from hsextract.config import Config, chunk_count
 from hsextract.server import read_json
 from hsextract.smk import JOB_DONE
@@ -583,7 +584,8 @@ def render(st: Status) -> str:
         at = time.strftime("%Y-%m-%d %H:%M", time.localtime(st.now + st.eta_s))
         lines.append(f"eta       {_duration(st.eta_s)} (about {at}, at the recent rate)")
     elif not st.workflow_pids:
-        lines.append("eta       - (no workflow is running: `snakemake -j1 extract_all`)")
+        run = snakemake_command("extract_all", run_dir=st.run_dir)
+        lines.append(f"eta       - (no workflow is running: `{run}`)")
     else:
         lines.append("eta       - (no progress measured yet)")
     srv = st.server

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hsextract.commands import snakemake_command
 from hsextract.errors import HsextractError
 from hsextract.records import read_index
 
@@ -23,6 +24,11 @@ if TYPE_CHECKING:  # chunks imports torch: the Snakefile imports this module to 
 
 class ExportError(HsextractError):
     """An export cannot be written or does not match the run it claims to export."""
+
+
+def extract_all(manifest: str | os.PathLike[str]) -> str:
+    """The command that makes (or rebuilds) a manifest, with its run's config."""
+    return snakemake_command("extract_all", run_dir=Path(manifest).parent)
 
 
 def read_json(path: Path, what: str, fix: str) -> dict:
@@ -156,7 +162,7 @@ def open_chunk(run_dir: Path, chunk: str, expect_sha256: str | None = None) -> C
 
     run_dir = Path(run_dir)
     hidden = run_dir / "hidden" / f"{chunk}.safetensors"
-    redo = f"re-extract it: delete it and rerun `snakemake -j1 {hidden}`"
+    redo = f"re-extract it: delete it and rerun `{snakemake_command(hidden, run_dir=run_dir)}`"
     sidecar = read_json(hidden.with_suffix(".json"), chunk, f"extract it first ({redo})")
     try:
         size = hidden.stat().st_size
@@ -170,7 +176,8 @@ def open_chunk(run_dir: Path, chunk: str, expect_sha256: str | None = None) -> C
     if expect_sha256 is not None and expect_sha256 != source_sha:
         raise ExportError(
             f"{chunk}: {hidden} (sha256 {source_sha[:12]}) is not the file the manifest "
-            f"lists ({expect_sha256[:12]}): rerun `snakemake -j1 extract_all`, then export"
+            f"lists ({expect_sha256[:12]}): rerun "
+            f"`{snakemake_command('extract_all', run_dir=run_dir)}`, then export"
         )
     try:
         index = read_index(run_dir / "chunks" / "index.json")

@@ -46,10 +46,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from hsextract.commands import hsextract_command
 from hsextract.export.common import (
     ExportError,
     check_chunks,
     claim_dir,
+    extract_all,
     open_chunk,
     read_json,
     read_record,
@@ -413,14 +415,15 @@ def finish_export(
     run_dir = Path(run_dir)
     out = Path(out) if out is not None else default_out(run_dir)
     mpath = Path(manifest) if manifest is not None else run_dir / "manifest.json"
-    man = read_json(mpath, "export", "run `snakemake -j1 extract_all` first")
+    man = read_json(mpath, "export", f"run `{extract_all(mpath)}` first")
     chunks = {Path(c["path"]).stem: c for c in man["chunks"]}
     busy = f"{out}: a chunk export is still running; rerun when it has finished"
     with _lock(out / "journal" / ".export.lock", False, busy):
         listed: dict[str, str] = {}
         markers = []
         for name, c in sorted(chunks.items()):
-            redo = f"export it: `hsextract export specforge --manifest {mpath}`"
+            again = ("export", "specforge", "--manifest", mpath)
+            redo = f"export it: `{hsextract_command(*again, with_config=False)}`"
             m = read_json(out / "done" / f"{name}.json", name, redo)
             if m["source"]["sha256"] != c["sha256"]:
                 raise ExportError(
@@ -530,7 +533,7 @@ def export_run(
     from tqdm import tqdm
 
     mpath = Path(manifest)
-    man = read_json(mpath, "export", "run `snakemake -j1 extract_all` first")
+    man = read_json(mpath, "export", f"run `{extract_all(mpath)}` first")
     run_dir = mpath.parent
     out = Path(out) if out is not None else default_out(run_dir)
     check_chunks(run_dir, man)

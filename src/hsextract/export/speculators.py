@@ -38,11 +38,13 @@ from typing import Any
 import torch
 
 from hsextract.chunks import ChunkReader
+from hsextract.commands import hsextract_command
 from hsextract.export.common import (
     CheckedChunk,
     ExportError,
     check_chunks,
     claim_dir,
+    extract_all,
     open_chunk,
     read_json,
     read_record,
@@ -225,9 +227,10 @@ def finish_export(manifest: Path, out: Path) -> dict:
     from hsextract.server import write_json
 
     manifest, out = Path(manifest), Path(out)
-    man = read_json(manifest, "export", "run `snakemake -j1 extract_all` first")
+    man = read_json(manifest, "export", f"run `{extract_all(manifest)}` first")
     run_dir = manifest.parent
-    redo = f"rerun `hsextract export speculators --manifest {manifest} --out {out}`"
+    again = ("export", "speculators", "--manifest", manifest, "--out", out)
+    redo = f"rerun `{hsextract_command(*again, with_config=False)}`"
     claim_dir(out, FORMAT, str(man.get("fingerprint")), run_dir, READS)
     listed: set[str] = set()
     for c in man["chunks"]:
@@ -279,7 +282,7 @@ def export_run(manifest: str | os.PathLike[str], out: str | os.PathLike[str] | N
     from tqdm import tqdm
 
     manifest = Path(manifest)
-    man = read_json(manifest, "export", "run `snakemake -j1 extract_all` first")
+    man = read_json(manifest, "export", f"run `{extract_all(manifest)}` first")
     run_dir = manifest.parent
     out = Path(out) if out is not None else default_out(run_dir)
     fp = str(man.get("fingerprint"))
