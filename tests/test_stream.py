@@ -151,7 +151,9 @@ def test_a_budget_below_the_trainer_window_is_refused_naming_the_numbers():
     with pytest.raises(gate.BudgetRefused) as e:
         gate.check_window(ss, largest_chunk_bytes=int(1e9), run_bytes=int(16e9))
     msg = str(e.value)
-    assert "stream.budget_gb 3 GB" in msg and "2 ranks" in msg and "= 5 chunks" in msg
+    assert msg.startswith("stream.budget_gb 3 (3.0 GB) is smaller than the trainer's window")
+    assert "2 ranks x 1 chunks held" in msg and "2 chunks between checkpoints" in msg
+    assert "= 5 chunks x 1.0 GB (the largest chunk's estimate) = 5.0 GB" in msg
     assert "\n" not in msg
     gate.check_window(settings(int(5e9), trainer_ranks=2, prefetch_chunks=1, checkpoint_chunks=2),
                       largest_chunk_bytes=int(1e9), run_bytes=int(16e9))  # fmt: skip

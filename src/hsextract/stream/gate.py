@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hsextract.budget import human
 from hsextract.stream.journal import (
     ACKS,
     StreamError,
@@ -96,19 +97,20 @@ def check_window(ss: StreamSettings, largest_chunk_bytes: int, run_bytes: int) -
     need = ss.window_chunks() * largest_chunk_bytes
     if ss.budget_bytes < need:
         raise BudgetRefused(
-            f"stream.budget_gb {ss.budget_bytes / GB:.3g} GB is smaller than the trainer's "
-            f"window ({ss.trainer_ranks} ranks x {ss.prefetch_chunks} chunks held (loader "
-            f"workers share their rank's) + {ss.checkpoint_chunks} chunks between "
-            f"checkpoints + 1 = {ss.window_chunks()} chunks x {largest_chunk_bytes / GB:.3g} "
-            f"GB, the largest chunk's estimate = {need / GB:.3g} GB): raise stream.budget_gb "
-            "or shrink the window (stream.* keys, smaller chunks: n_chunks)"
+            f"stream.budget_gb {ss.budget_bytes / GB:.6g} ({human(ss.budget_bytes)}) is smaller "
+            f"than the trainer's window: ({ss.trainer_ranks} ranks x {ss.prefetch_chunks} "
+            f"chunks held (loader workers share their rank's) + {ss.checkpoint_chunks} chunks "
+            f"between checkpoints + 1) = {ss.window_chunks()} chunks x "
+            f"{human(largest_chunk_bytes)} (the largest chunk's estimate) = {human(need)}; "
+            "raise stream.budget_gb or shrink the window (stream.* keys, or smaller chunks: "
+            "n_chunks)"
         )
     if ss.epochs_mode == "keep" and ss.passes > 1 and ss.budget_bytes < run_bytes:
         raise BudgetRefused(
             f"stream.epochs_mode keep with {ss.passes} passes keeps every chunk until the "
-            f"last pass, ~{run_bytes / GB:.3g} GB, more than stream.budget_gb "
-            f"{ss.budget_bytes / GB:.3g} GB: use epochs_mode regenerate, one pass, or a "
-            "budget of the whole run"
+            f"last pass, ~{human(run_bytes)}, more than stream.budget_gb "
+            f"{ss.budget_bytes / GB:.6g} ({human(ss.budget_bytes)}): use epochs_mode "
+            "regenerate, one pass, or a budget of the whole run"
         )
 
 
