@@ -26,19 +26,26 @@ H, K = 4, 3
 SHAPES = {"hidden": H, "aux": K * H, "prenorm": False, "dtype": "float32"}
 
 
-def write_chunk(run_dir: Path, i: int, n_records: int, *, tokens: int = 3) -> dict:
-    """hidden/chunk_{i}.safetensors whose record j has ids [i*1000+j]*tokens; its sidecar."""
+def write_chunk(
+    run_dir: Path, i: int, n_records: int, *, tokens: int = 3, prenorm: bool = False
+) -> dict:
+    """hidden/chunk_{i}.safetensors whose record j has ids [i*1000+j]*tokens and states of
+    that value (with ``prenorm``, one more aux block: layer L, the pre-norm final state,
+    of value -that); its sidecar."""
     path = run_dir / "hidden" / f"chunk_{i:05d}.safetensors"
     path.parent.mkdir(parents=True, exist_ok=True)
     ids = [f"r{i}-{j}" for j in range(n_records)]
-    w = ChunkWriter(path, [tokens] * n_records, hidden_size=H, n_aux=K, dtype=torch.float32,
-                    metadata={"record_ids": json.dumps(ids), "aux_layers": "[1, 2, 3]",
-                              "hidden_size": str(H)})  # fmt: skip
+    k = K + prenorm
+    meta = {"record_ids": json.dumps(ids), "aux_layers": json.dumps([1, 2, 3, 4][:k]),
+            "hidden_size": str(H), "num_layers": "4"}  # fmt: skip
+    w = ChunkWriter(path, [tokens] * n_records, hidden_size=H, n_aux=k, dtype=torch.float32,
+                    metadata=meta)  # fmt: skip
     for j in range(n_records):
         v = float(i * 1000 + j)
+        aux = torch.full((tokens, k * H), v)
+        aux[:, K * H :] = -v
         w.put(j, torch.full((tokens,), i * 1000 + j, dtype=torch.int32),
-              torch.ones(tokens, dtype=torch.uint8), torch.full((tokens, H), v),
-              torch.full((tokens, K * H), v))  # fmt: skip
+              torch.ones(tokens, dtype=torch.uint8), torch.full((tokens, H), v), aux)  # fmt: skip
     sha = w.finish()
     return {"chunk": path.stem, "path": f"hidden/{path.name}", "sha256": sha,
             "records": n_records, "tokens": tokens * n_records,
@@ -359,3 +366,15 @@ def test_the_trainers_layouts(tmp_path):
     assert s["hidden_state"].shape == (1, 3, H) and s["aux_hidden_state"].shape == (1, 3, K * H)
     with pytest.raises(journal.StreamError, match="prenorm_final: true"):
         next(iter(StreamDataset(tmp_path, layout="speculators", timeout_s=60)))
+
+
+def test_speculators_layout_from_a_prenorm_run(tmp_path):
+    side = write_chunk(tmp_path, 0, 2, tokens=5, prenorm=True)
+    announce(tmp_path, side, 1)
+    s = next(iter(StreamDataset(tmp_path, layout="speculators", timeout_s=60)))
+    v = float(s["input_ids"][0])
+    assert s["input_ids"].dtype == torch.int64 and s["lengths"].tolist() == [5]
+    assert s["hidden_states"].shape == (5, K * H) and bool((s["hidden_states"] == v).all())
+    assert s["verifier_last_hidden_states"].shape == (5, H)
+    assert bool((s["verifier_last_hidden_states"] == -v).all())
+    assert s["position_ids"].tolist() == list(range(5))

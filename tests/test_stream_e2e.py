@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -80,9 +81,11 @@ def test_train_while_extracting_within_a_budget_through_kills(tmp_path: Path) ->
         for line in p.read_text().splitlines()
     )
     assert sum(want.values()) == 64
-    held, flog = tmp_path / "held", tmp_path / "faults.jsonl"
-    hold = {"rid": "chunk_00015", "nth": [1], "do": "wait", "gate": str(held)}
-    faults = {"log": str(flog), "extend": [hold]}
+    # Every extend pass of the server waits while the file ``go`` is missing: the test
+    # removes it to hold a chunk mid-extraction (and logs each pass to ``flog``).
+    go, flog = tmp_path / "go", tmp_path / "faults.jsonl"
+    go.touch()
+    faults = {"log": str(flog), "extend": [{"rid": "chunk_", "do": "wait", "gate": str(go)}]}
     sdir = rd / "stream"
     out = tmp_path / "trainer"
     out.mkdir()
@@ -133,34 +136,38 @@ def test_train_while_extracting_within_a_budget_through_kills(tmp_path: Path) ->
         trainer = start_trainer(rd, out)
         poll(lambda: gate.summary(rd)["announced"] > announced, "the workflow going on")
 
-        # 3. The trainer SIGKILLed mid-pass, past a committed checkpoint; resumed.
-        def past_a_checkpoint() -> bool:
-            assert trainer.poll() is None, (tmp_path / "trainer.log").read_text()[-4000:]
-            if not (out / "ckpt.pt").exists():
-                return False
-            import torch
+        # 3. The workflow SIGKILLed mid-chunk: a pass held on the server, its chunk not
+        # yet announced.
+        cut = time.time()
+        go.unlink()
 
-            step = torch.load(out / "ckpt.pt", weights_only=False)["step"]
-            prog = out / "progress_0.json"
-            return prog.exists() and json.loads(prog.read_text())["step"] >= step + 1
+        def held() -> str | None:
+            for line in flog.read_text().splitlines():
+                entry = json.loads(line)
+                if entry["fault"] == "wait" and entry["time"] > cut:
+                    return entry["rid"].split("-")[0]
+            return None
 
-        poll(past_a_checkpoint, "the trainer a step past its checkpoint")
+        chunk = poll(held, "a chunk held mid-extraction")
+        assert journal.read_state(sdir).find(chunk, 1) is None
+        stop_snakemake(proc, signal.SIGKILL)
+        go.touch()
+
+        # 4. The trainer SIGKILLed mid-pass (the workflow is down: it cannot finish),
+        # once it has committed a checkpoint; resumed.
+        poll(lambda: (out / "ckpt.pt").exists(), "the trainer's first checkpoint")
         kill_group(trainer)
         assert not (out / "done.json").exists()
         trainer = start_trainer(rd, out, resume=True)
 
-        # 4. The workflow SIGKILLed mid-chunk (chunk_00015 held on the server), rerun.
-        poll(lambda: flog.exists() and '"fault": "wait"' in flog.read_text(),
-             "chunk_00015 held mid-chunk", timeout=600)  # fmt: skip
-        stop_snakemake(proc, signal.SIGKILL)
-        held.touch()
-        # As a user after a kill -9: unlock, then ask for what the trainer still waits
-        # for.  (Not extract_all yet: it would re-extract the acked, deleted chunks --
-        # not re-announced, but wasted: the receipt targets are left, DESIGN.md.)
+        # 5. The workflow rerun, as a user would after a kill -9: unlock, then ask for
+        # what the trainer still waits for.  (Not extract_all yet: it would re-extract
+        # the acked, deleted chunks -- not re-announced, but wasted: the receipt targets
+        # are left, DESIGN.md.)
         run_snakemake(wd, "--unlock")
         st = journal.read_state(sdir)
-        assert st.find("chunk_00015", 1) is None
         todo = [t for i, t in enumerate(sidecars(rd, wd)) if st.find(f"chunk_{i:05d}", 1) is None]
+        assert f"results/{rd.name}/hidden/{chunk}.json" in todo
         rerun = start_snakemake(wd, "-j2", *todo)
         assert rerun.wait(timeout=600) == 0, rerun.communicate()[0][-4000:]
         assert trainer.wait(timeout=600) == 0, (tmp_path / "trainer-resumed.log").read_text()
@@ -185,7 +192,7 @@ def test_train_while_extracting_within_a_budget_through_kills(tmp_path: Path) ->
         assert len(deleted) >= 8 and all(not (rd / d["path"]).exists() for d in deleted)
     finally:
         sampling.set()
-        held.touch()
+        go.touch()
         for p in (trainer, proc, rerun):
             if p is not None and p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
