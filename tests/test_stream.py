@@ -378,3 +378,21 @@ def test_speculators_layout_from_a_prenorm_run(tmp_path):
     assert s["verifier_last_hidden_states"].shape == (5, H)
     assert bool((s["verifier_last_hidden_states"] == -v).all())
     assert s["position_ids"].tolist() == list(range(5))
+
+
+def test_the_server_never_imports_the_stream_and_the_gate_no_torch():
+    """The server process imports capture and engine: none of them reaches the stream; a
+    chunk job's gate (journal, gate) costs no torch import."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, hsextract.capture, hsextract.engine\n"
+        "assert not [m for m in sys.modules if m.startswith('hsextract.stream')], 'server'\n"
+        "for m in [m for m in sys.modules if m.startswith(('torch', 'hsextract'))]:\n"
+        "    del sys.modules[m]\n"
+        "import hsextract.stream.gate, hsextract.stream.journal\n"
+        "assert 'torch' not in sys.modules, 'gate'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
