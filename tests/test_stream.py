@@ -20,7 +20,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from hsextract.chunks import ChunkWriter, sha256_file
 from hsextract.stream import gate, journal
-from hsextract.stream.reader import StreamDataset, consumed_seqs
+from hsextract.stream.reader import StreamDataset, assign, consumed_seqs
 
 H, K = 4, 3
 SHAPES = {"hidden": H, "aux": K * H, "prenorm": False, "dtype": "float32"}
@@ -274,7 +274,7 @@ def loader(ds, workers=2, state=None):
 
 
 def test_ranks_and_workers_yield_every_record_once_in_lockstep(tmp_path):
-    sizes = [5, 1, 7, 3, 2, 6, 4]
+    sizes = [5, 1, 7, 3, 2, 6, 5]
     make_run(tmp_path, sizes)
     per_rank = []
     for rank in range(2):
@@ -283,10 +283,14 @@ def test_ranks_and_workers_yield_every_record_once_in_lockstep(tmp_path):
     everything = ids_of(per_rank[0]) + ids_of(per_rank[1])
     want = [f"r{i}-{j}" for i, n in enumerate(sizes) for j in range(n)]
     assert Counter(everything) == Counter(want)
-    # Chunks 0,2,4,6 (18 records) on rank 0; 1,3,5 (10) on rank 1, padded to 18.
-    assert len(per_rank[0]) == len(per_rank[1]) == 18
+    # Dealt by records: chunks 0,3,4,6 (15 records) to rank 0; 1,2,5 (14) to rank 1,
+    # padded to 15.
+    assert assign([{"records": n} for n in sizes], 2) == [[0, 3, 4, 6], [1, 2, 5]]
+    assert {s["seq"] for s in per_rank[1] if not s["pad"]} == {1, 2, 5}
+    assert len(per_rank[0]) == len(per_rank[1]) == 15
     pads = [s for s in per_rank[1] if s["pad"]]
-    assert len(pads) == 8 and all(int(p["loss_mask"].sum()) == 0 for p in pads)
+    assert len(pads) == 1 and all(int(p["loss_mask"].sum()) == 0 for p in pads)
+    assert not [s for s in per_rank[0] if s["pad"]]
     # Deterministic: the same split and order again; another seed shuffles otherwise.
     again = list(loader(StreamDataset(tmp_path, rank=0, world=2, seed=3, timeout_s=60)))
     assert ids_of(again) == ids_of(per_rank[0])
@@ -396,3 +400,22 @@ def test_the_server_never_imports_the_stream_and_the_gate_no_torch():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_ranks_are_dealt_records_within_one_chunk_of_each_other():
+    """Dealt by records, not seq % world: with uneven chunks a rank's records never run
+    more than a chunk ahead of another's, on every prefix of the journal."""
+    import random
+
+    rng = random.Random(0)
+    sizes = [rng.choice([1, 1, 1, 2, 9, 17]) for _ in range(200)]
+    for world in (2, 3, 8):
+        for n in range(1, len(sizes) + 1, 7):
+            lines = [{"records": k} for k in sizes[:n]]
+            loads = [sum(sizes[i] for i in m) for m in assign(lines, world)]
+            assert max(loads) - min(loads) <= max(sizes[:n])
+    # seq % world would not: 17s on even seqs, 1s on odd ones.
+    lines = [{"records": 17 if i % 2 == 0 else 1} for i in range(20)]
+    loads = [sum(lines[i]["records"] for i in m) for m in assign(lines, 2)]
+    assert max(loads) - min(loads) <= 17
+    assert abs(sum(c["records"] for c in lines[0::2]) - sum(c["records"] for c in lines[1::2])) > 17

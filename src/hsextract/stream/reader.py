@@ -1,11 +1,16 @@
 """The trainer's side: a torch ``IterableDataset`` that follows a run in progress.
 
-Split (deterministic, whatever the timing): the i-th chunk announced in a pass goes to
-DDP rank ``i % world``; inside a rank every loader worker reads the *same* chunks, worker
-``w`` taking the records at positions ``w, w+W, ...`` of the chunk's shuffled order.  Why
-records, not chunks, per worker: a rank then holds one chunk open however many workers
-decode it, so the trainer's disk window is ``ranks x prefetch + checkpoint + 1`` chunks
-(stream.gate.check_window), and more workers cost no budget.
+Split (deterministic, whatever the timing): the chunks of a pass, in journal order, are
+dealt to DDP ranks by :func:`assign` -- each to the rank with the fewest records so far --
+and inside a rank every loader worker reads the *same* chunks, worker ``w`` taking the
+records at positions ``w, w+W, ...`` of the chunk's shuffled order.  Why not
+``seq % world``: ranks step in lockstep, one record each, so with uneven chunks a rank
+dealt small chunks would run many chunks ahead of one dealt a large one, and the chunks
+announced for the slow rank would fill the budget while the fast one waits for its next:
+a deadlock no window formula bounds.  Dealt by records, ranks stay within one chunk of
+each other.  Why records, not chunks, per worker: a rank then holds one chunk open however
+many workers decode it, so the trainer's disk window is ``ranks x prefetch + checkpoint +
+1`` chunks (stream.gate.check_window), and more workers cost no budget.
 
 Resume: each worker's position is its ``state_dict`` (pass, chunk slot, position in its
 share, padding yielded); torchdata's ``StatefulDataLoader`` gathers them from the worker
@@ -30,6 +35,20 @@ from hsextract.chunks import ChunkReader
 from hsextract.stream.journal import JOURNAL, AckWriter, StreamError, read_state, stream_dir
 
 LAYOUTS = ("raw", "specforge", "speculators")
+
+
+def assign(lines: list[dict], world: int) -> list[list[int]]:
+    """Each rank's chunks (indices into ``lines``, in order): chunk i goes to the rank with
+    the fewest records dealt so far, the lowest such rank on a tie.  Chunk i's rank depends
+    on ``lines[:i+1]`` only, so every rank, and every resume, computes the same split from
+    whatever prefix of the journal it has read."""
+    load = [0] * world
+    out: list[list[int]] = [[] for _ in range(world)]
+    for i, c in enumerate(lines):
+        r = min(range(world), key=lambda k: (load[k], k))
+        out[r].append(i)
+        load[r] += int(c["records"])
+    return out
 
 
 def _seed_of(*parts: Any) -> int:
@@ -92,17 +111,19 @@ class StreamDataset(IterableDataset):
         lines = [c for _, c in sorted(st.chunks.items()) if c["pass"] == src]
         return lines, src in st.ends
 
-    def _wait(self, need: int) -> tuple[list[dict], bool]:
-        """The pass's chunks once the ``need``-th is announced or the pass has ended."""
+    def _wait(self, slot: int) -> tuple[list[dict], list[int], bool]:
+        """The pass's chunks and this rank's share once its ``slot``-th chunk is announced
+        or the pass has ended."""
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         seen = None
         while True:
             lines, ended = self._chunks_of_pass(read_state(self.sdir))
-            if len(lines) > need or ended:
-                return lines, ended
+            mine = assign(lines, self.world)[self.rank]
+            if len(mine) > slot or ended:
+                return lines, mine, ended
             if deadline is not None and time.monotonic() > deadline:
                 raise StreamError(
-                    f"rank {self.rank}: no chunk {need} of pass {self.pass_} in "
+                    f"rank {self.rank}: no chunk {slot} of pass {self.pass_} in "
                     f"{self.sdir / JOURNAL} after {self.timeout_s} s; is the workflow running?"
                 )
             seen = _wait_change(self.sdir / JOURNAL, seen, self.poll_s)
@@ -134,11 +155,10 @@ class StreamDataset(IterableDataset):
         if self._pos["pass"] != self.pass_:
             self._pos = {"pass": self.pass_, "slot": 0, "pos": 0, "pad": 0}
         while True:
-            need = self.rank + self.world * self._pos["slot"]
-            lines, ended = self._wait(need)
-            if need >= len(lines):
+            lines, mine, _ = self._wait(self._pos["slot"])
+            if self._pos["slot"] >= len(mine):
                 break  # the pass ended: this rank has no more chunks
-            line = lines[need]
+            line = lines[mine[self._pos["slot"]]]
             order = list(range(int(line["records"])))
             random.Random(_seed_of(self.seed, self.pass_, line["seq"])).shuffle(order)
             share = order[wid::nw]
@@ -160,9 +180,7 @@ class StreamDataset(IterableDataset):
         yield from self._padding(lines, wid, nw)
 
     def _padding(self, lines: list[dict], wid: int, nw: int) -> Iterator[dict[str, Any]]:
-        totals = [0] * self.world
-        for i, c in enumerate(lines):
-            totals[i % self.world] += int(c["records"])
+        totals = [sum(int(lines[i]["records"]) for i in m) for m in assign(lines, self.world)]
         deficit = max(totals) - totals[self.rank]
         mine = len(range(wid, deficit, nw))
         while self._pos["pad"] < mine:
@@ -269,5 +287,5 @@ def consumed_seqs(
     st = read_state(stream_dir(run_dir))
     src = 1 if epochs_mode == "keep" else pass_
     lines = [c for _, c in sorted(st.chunks.items()) if c["pass"] == src]
-    mine = lines[rank::world]
-    return [int(c["seq"]) for c in mine[:done]]
+    mine = assign(lines, world)[rank]
+    return [int(lines[i]["seq"]) for i in mine[:done]]
