@@ -160,24 +160,29 @@ def test_a_budget_below_the_trainer_window_is_refused_naming_the_numbers():
     msg = str(e.value)
     assert msg.startswith("stream.budget_gb 3 (3.0 GB) is smaller than the trainer's window")
     assert "2 ranks x 1 chunks held" in msg and "2 chunks between checkpoints" in msg
-    assert "= 5 chunks x 1.0 GB (the largest chunk's estimate) = 5.0 GB" in msg
+    assert "= 5 chunks, or 4 chunks / stream.low_mark 0.75 = 5.33" in msg
+    assert "x 1.0 GB (the largest chunk's estimate) = 5.3 GB" in msg
     assert "\n" not in msg
-    gate.check_window(settings(int(5e9), trainer_ranks=2, prefetch_chunks=1, checkpoint_chunks=2),
-                      largest_chunk_bytes=int(1e9), run_bytes=int(16e9))  # fmt: skip
+    ok = settings(int(5.4e9), trainer_ranks=2, prefetch_chunks=1, checkpoint_chunks=2)
+    gate.check_window(ok, largest_chunk_bytes=int(1e9), run_bytes=int(16e9))
+    with pytest.raises(gate.BudgetRefused, match="low_mark 0.5 = 8"):
+        gate.check_window(settings(int(5.4e9), trainer_ranks=2, prefetch_chunks=1,
+                                   checkpoint_chunks=2, low_mark=0.5),
+                          largest_chunk_bytes=int(1e9), run_bytes=int(16e9))  # fmt: skip
 
 
 def test_the_gate_waits_for_acks_and_resumes_below_the_low_mark(tmp_path):
-    sides = make_run(tmp_path, [4, 4, 4])
+    sides = make_run(tmp_path, [4, 4, 4, 4, 4])
     size = (tmp_path / sides[0]["path"]).stat().st_size
     bpt = size // sides[0]["tokens"] + 1  # the estimate of a like chunk: about one chunk
-    ss = settings(int(3.6 * size), low_mark=0.5, prefetch_chunks=1, checkpoint_chunks=1)
-    kw = dict(tokens=12, raw_bytes_per_token=bpt, largest_tokens=12, run_tokens=48)
+    ss = settings(int(5 * size), low_mark=0.45, prefetch_chunks=1, checkpoint_chunks=1)
+    kw = dict(tokens=12, raw_bytes_per_token=bpt, largest_tokens=12, run_tokens=72)
     passed = threading.Event()
     errors: list[BaseException] = []
 
     def job():
         try:
-            gate.wait_for_room(tmp_path, ss, chunk="chunk_00003", **kw)
+            gate.wait_for_room(tmp_path, ss, chunk="chunk_00005", **kw)
             passed.set()
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
@@ -197,8 +202,8 @@ def test_the_gate_waits_for_acks_and_resumes_below_the_low_mark(tmp_path):
     t = threading.Thread(target=job, daemon=True)
     t.start()
     try:
-        # 3 chunks unacked + ~1: over 3.6 chunks, the gate shuts.  One ack leaves 2 + 1
-        # <= 3.6 but above the low mark (1.8 chunks): still shut, by hysteresis.
+        # 5 chunks unacked + ~1: over 5, the gate shuts.  One ack leaves 4 + 1 <= 5 but
+        # above the low mark (2.25 chunks): still shut, by hysteresis.
         wait_for(paused)
         assert not passed.is_set()
         journal.AckWriter(tmp_path).ack([0])
@@ -206,20 +211,19 @@ def test_the_gate_waits_for_acks_and_resumes_below_the_low_mark(tmp_path):
         assert not passed.is_set() and not errors
         assert paused()
         assert gate.reservations(tmp_path / "stream") == {}
-        journal.AckWriter(tmp_path).ack([1])
+        journal.AckWriter(tmp_path).ack([1, 2])  # 2 left: below the low mark
         assert passed.wait(60), errors
     finally:
-        journal.AckWriter(tmp_path).ack([0, 1, 2])
+        journal.AckWriter(tmp_path).ack([0, 1, 2, 3, 4])
         t.join(60)
     assert not errors
     # The acked payloads were deleted (ours: named by the journal, of its size), the
     # reservation is held until the chunk is announced.
-    assert not (tmp_path / sides[0]["path"]).exists()
-    assert not (tmp_path / sides[1]["path"]).exists()
+    assert not any((tmp_path / sides[i]["path"]).exists() for i in range(3))
     est = gate.estimate_bytes(journal.read_state(tmp_path / "stream"), 12, bpt)
-    assert gate.reservations(tmp_path / "stream") == {"chunk_00003": est}
+    assert gate.reservations(tmp_path / "stream") == {"chunk_00005": est}
     deleted = journal.read_lines(tmp_path / "stream" / "deleted.jsonl")
-    assert sorted(d["seq"] for d in deleted) == [0, 1]
+    assert sorted(d["seq"] for d in deleted) == [0, 1, 2]
 
 
 def test_deletion_leaves_a_file_that_is_not_what_we_announced(tmp_path):

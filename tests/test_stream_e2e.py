@@ -66,12 +66,13 @@ def test_train_while_extracting_within_a_budget_through_kills(tmp_path: Path) ->
     index = json.loads((rd / "chunks" / "index.json").read_text())
     tokens = [c["tokens"] for c in index["chunks"]]
     bpt = bytes_per_token(64, 3, "float32")  # the demo model: H 64, 3 aux layers
-    ss = gate.StreamSettings(budget_bytes=0, trainer_ranks=2, prefetch_chunks=2,
-                             checkpoint_chunks=1)  # fmt: skip
-    budget = ss.window_chunks() * max(tokens) * bpt + 1000  # the least the window allows
+    stream = {"trainer_ranks": 2, "prefetch_chunks": 2, "checkpoint_chunks": 1,
+              "low_mark": 0.85, "poll_s": 0.2}  # fmt: skip
+    ss = gate.StreamSettings(budget_bytes=0, **stream)
+    w = ss.window_chunks()
+    budget = int(max(w, (w - 1) / ss.low_mark) * max(tokens) * bpt) + 1000  # the least allowed
     cfg = yaml.safe_load((wd / "config.yaml").read_text())
-    cfg["stream"] = {"budget_gb": budget / 1e9, "trainer_ranks": 2, "prefetch_chunks": 2,
-                     "checkpoint_chunks": 1, "poll_s": 0.2}  # fmt: skip
+    cfg["stream"] = {"budget_gb": budget / 1e9, **stream}
     (wd / "config.yaml").write_text(yaml.safe_dump(cfg))
     assert budget < 0.75 * sum(tokens) * bpt  # a budget well below the run's bytes
 
@@ -114,12 +115,16 @@ def test_train_while_extracting_within_a_budget_through_kills(tmp_path: Path) ->
     try:
         sampler.start()
 
-        # 1. No trainer yet: the workflow fills the budget and waits, saying so.
+        # 1. No trainer yet: the workflow fills the budget and waits, saying so; no job
+        # is past the gate (none holds a reservation).
         def waiting() -> bool:
             assert proc.poll() is None, proc.communicate()[0][-4000:]
-            return gate.summary(rd)["paused"] and any(
-                "waiting for the trainer" in p.read_text() for p in (rd / "logs").glob("extract*")
-            )
+            return (
+                gate.summary(rd)["paused"]
+                and not gate.reservations(sdir)
+                and any("waiting for the trainer" in p.read_text()
+                        for p in (rd / "logs").glob("extract*"))
+            )  # fmt: skip
 
         poll(waiting, "the workflow waiting for the trainer", timeout=600)
         announced = gate.summary(rd)["announced"]
@@ -132,14 +137,12 @@ def test_train_while_extracting_within_a_budget_through_kills(tmp_path: Path) ->
             status.stdout + status.stderr
         )
 
-        # 2. The trainer acks as it checkpoints: the workflow goes on.
-        trainer = start_trainer(rd, out)
-        poll(lambda: gate.summary(rd)["announced"] > announced, "the workflow going on")
-
-        # 3. The workflow SIGKILLed mid-chunk: a pass held on the server, its chunk not
-        # yet announced.
+        # 2. The trainer acks as it checkpoints: the workflow goes on, and 3. is SIGKILLed
+        # mid-chunk: its next pass is held on the server (the file ``go`` removed), the
+        # chunk not yet announced.
         cut = time.time()
         go.unlink()
+        trainer = start_trainer(rd, out)
 
         def held() -> str | None:
             for line in flog.read_text().splitlines():
@@ -148,8 +151,10 @@ def test_train_while_extracting_within_a_budget_through_kills(tmp_path: Path) ->
                     return entry["rid"].split("-")[0]
             return None
 
-        chunk = poll(held, "a chunk held mid-extraction")
-        assert journal.read_state(sdir).find(chunk, 1) is None
+        chunk = poll(held, "the workflow going on, a chunk held mid-extraction")
+        st = journal.read_state(sdir)
+        assert st.acked, "the gate opened with nothing acknowledged"
+        assert st.find(chunk, 1) is None
         stop_snakemake(proc, signal.SIGKILL)
         go.touch()
 

@@ -94,16 +94,22 @@ def check_window(ss: StreamSettings, largest_chunk_bytes: int, run_bytes: int) -
     The trainer needs its whole window on disk before it can reach the checkpoint that
     acks any of it; a smaller budget waits forever on both sides.
     """
-    need = ss.window_chunks() * largest_chunk_bytes
+    w = ss.window_chunks()
+    # A trainer stalled for its next chunk still holds up to w - 1 chunks unacked (all
+    # but the one being written); the shut gate reopens only below low_mark x budget, so
+    # that must hold them too.
+    chunks = max(w, (w - 1) / ss.low_mark)
+    need = int(chunks * largest_chunk_bytes)
     if ss.budget_bytes < need:
         raise BudgetRefused(
             f"stream.budget_gb {ss.budget_bytes / GB:.6g} ({human(ss.budget_bytes)}) is smaller "
             f"than the trainer's window: ({ss.trainer_ranks} ranks x {ss.prefetch_chunks} "
             f"chunks held (loader workers share their rank's) + {ss.checkpoint_chunks} chunks "
-            f"between checkpoints + 1) = {ss.window_chunks()} chunks x "
-            f"{human(largest_chunk_bytes)} (the largest chunk's estimate) = {human(need)}; "
-            "raise stream.budget_gb or shrink the window (stream.* keys, or smaller chunks: "
-            "n_chunks)"
+            f"between checkpoints + 1) = {w} chunks, or {w - 1} chunks / stream.low_mark "
+            f"{ss.low_mark:g} = {(w - 1) / ss.low_mark:.3g} (the gate reopens below the low "
+            f"mark), x {human(largest_chunk_bytes)} (the largest chunk's estimate) = "
+            f"{human(need)}; raise stream.budget_gb or shrink the window (stream.* keys, or "
+            "smaller chunks: n_chunks)"
         )
     if ss.epochs_mode == "keep" and ss.passes > 1 and ss.budget_bytes < run_bytes:
         raise BudgetRefused(
