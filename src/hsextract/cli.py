@@ -274,9 +274,30 @@ def _status(args: argparse.Namespace) -> int:
     """Where the config's run stands (chunks, tokens, rates, ETA, server, last error)."""
     from hsextract import status
 
-    st = status.collect(_load(args), window_s=args.window)
-    print(json.dumps(st.to_json(), indent=2) if args.json else status.render(st))
+    cfg = _load(args)
+    st = status.collect(cfg, window_s=args.window)
+    stream = _stream_summary(cfg)
+    if args.json:
+        print(json.dumps({**st.to_json(), **({"stream": stream} if stream else {})}, indent=2))
+    else:
+        print(status.render(st))
+        if stream:
+            from hsextract.stream.gate import waiting_text
+
+            paused = "paused, chunk jobs wait" if stream["paused"] else "open"
+            print(f"stream: {waiting_text(stream)}; gate {paused}")
     return 0
+
+
+def _stream_summary(cfg: Config) -> dict | None:
+    """Train while extracting: what waits for the trainer (None for an offline run)."""
+    from hsextract.config import run_dir
+    from hsextract.stream.gate import settings_of, summary
+
+    ss = settings_of(cfg)
+    if ss is None:
+        return None
+    return summary(run_dir(cfg), ss.final_pass, budget_bytes=ss.budget_bytes)
 
 
 def _run_dir(args: argparse.Namespace) -> int:

@@ -159,6 +159,28 @@ class ExportConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class StreamConfig:
+    """``stream``: train while extracting (src/hsextract/stream/DESIGN.md, README); off while budget_gb is null."""
+
+    #: most GB of chunk files not yet acknowledged by the trainer; a chunk job waits before sending past it; null = off (an offline run)
+    budget_gb: float | None = None
+    #: a paused budget resumes below this fraction of budget_gb (hysteresis: the GPU is not toggled per chunk)
+    low_mark: float = 0.75
+    #: keep: nothing deleted before the last pass is acked; regenerate: each pass re-extracts
+    epochs_mode: str = "keep"
+    #: passes (epochs) the trainer reads
+    passes: int = 1
+    #: the trainer's DDP ranks (its window: the budget must hold it)
+    trainer_ranks: int = 1
+    #: chunks a rank holds open at once, its loader workers together (they split a chunk's records): its window
+    prefetch_chunks: int = 2
+    #: chunks the trainer (all ranks) consumes between checkpoints, unacked meanwhile (its window)
+    checkpoint_chunks: int = 2
+    #: longest a waiting chunk job sleeps between looks at the ack file
+    poll_s: float = 2.0
+
+
+@dataclass(frozen=True, kw_only=True)
 class SglangConfig:
     """``sglang``: engine sglang only; see src/hsextract/sglang/launch.py (build_launch, validate_sglang_config)."""
 
@@ -214,6 +236,7 @@ class Config:
     gpu: GpuConfig = field(default_factory=GpuConfig)
     stale: StaleConfig = field(default_factory=StaleConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    stream: StreamConfig = field(default_factory=StreamConfig)
     sglang: SglangConfig = field(default_factory=SglangConfig)
     #: The validated dict this was built from: what the fingerprint and the
     #: stages' settings files are computed from (hsextract.config).

@@ -525,6 +525,7 @@ def extract_chunk(sm: Any) -> None:
             "config's (ensure() replaces a live server started otherwise)",
             sm.input.server,
         )
+    stream = _stream_gate(cfg, sm)  # train while extracting: wait for room before sending
     sidecar = extract(
         cfg,
         chunk_path=Path(sm.params.chunk),
@@ -535,11 +536,23 @@ def extract_chunk(sm: Any) -> None:
         ensure=lambda: ensure_server(cfg),
     )
     log.info("chunk done: %s", json.dumps(sidecar))
+    if stream is not None:  # after the verified rename and the sidecar
+        stream.announce(sidecar)
     # The log holds the progress bar; the terminal gets one line per finished chunk.
     sys.__stderr__.write(
         f"hsextract [{sidecar['chunk']}]: {sidecar['records']} records, {sidecar['tokens']} "
         f"tokens in {sidecar['seconds']:.1f}s ({sidecar['tokens_per_s']:.0f} tok/s)\n"
     )
+
+
+def _stream_gate(cfg: Config, sm: Any):
+    """With ``stream.budget_gb`` set, the chunk's gate (waited on now) and announcer
+    (hsextract.stream.producer); None for an offline run, which never imports it."""
+    if cfg.stream.budget_gb is None:
+        return None
+    from hsextract.stream.producer import ChunkStream
+
+    return ChunkStream.open(cfg, hidden=Path(sm.output.hidden), index=Path(sm.input.index))
 
 
 def manifest(sm: Any) -> None:

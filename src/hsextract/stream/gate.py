@@ -1,0 +1,350 @@
+"""The disk budget: a chunk job waits before sending while the trainer is too far behind.
+
+Unacknowledged bytes are measured on disk (``stat`` of every announced, unacked chunk file;
+a deleted one counts nothing) plus the reservations of chunk jobs between their gate and
+their announcement: bookkeeping alone would miss a file a user copied in, and would count
+one already gone.  Stdlib only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hsextract.budget import human
+from hsextract.stream.journal import (
+    ACKS,
+    StreamError,
+    StreamState,
+    append_line,
+    locked,
+    read_lines,
+    read_state,
+    stream_dir,
+)
+
+log = logging.getLogger("hsextract")
+
+GB = 1e9
+INFLIGHT = "inflight"
+GATE = "gate.json"
+DELETED = "deleted.jsonl"
+#: A chunk file's bytes beyond its rows (safetensors header, metadata), before one is seen.
+HEADER_SLACK = 1 << 16
+#: How often a waiting chunk job writes its progress line to the chunk's log.
+REPORT_EVERY_S = 60.0
+
+
+class BudgetRefused(StreamError):
+    """The budget cannot hold the trainer's window: the run would deadlock, so it never starts."""
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """``stream.*`` as the gate uses it (built from the typed config by :func:`settings_of`)."""
+
+    budget_bytes: int
+    low_mark: float = 0.75
+    passes: int = 1
+    epochs_mode: str = "keep"
+    trainer_ranks: int = 1
+    prefetch_chunks: int = 2
+    checkpoint_chunks: int = 2
+    poll_s: float = 2.0
+
+    @property
+    def final_pass(self) -> int:
+        """The pass whose ack frees a chunk: keep re-reads pass 1's files every pass."""
+        return self.passes if self.epochs_mode == "keep" else 1
+
+    def window_chunks(self) -> int:
+        """Chunks the trainer needs on disk to reach the checkpoint that acks any: each
+        rank's open chunks (its loader workers read the same one, records split), those
+        consumed since the last checkpoint, and the one being written."""
+        return self.trainer_ranks * self.prefetch_chunks + self.checkpoint_chunks + 1
+
+
+def settings_of(cfg: Any) -> StreamSettings | None:
+    """The stream's settings, or None when ``stream.budget_gb`` is null (an offline run)."""
+    s = getattr(cfg, "stream", None)
+    if s is None or s.budget_gb is None:
+        return None
+    return StreamSettings(
+        budget_bytes=int(s.budget_gb * GB),
+        low_mark=s.low_mark,
+        passes=s.passes,
+        epochs_mode=s.epochs_mode,
+        trainer_ranks=s.trainer_ranks,
+        prefetch_chunks=s.prefetch_chunks,
+        checkpoint_chunks=s.checkpoint_chunks,
+        poll_s=s.poll_s,
+    )
+
+
+def check_window(ss: StreamSettings, largest_chunk_bytes: int, run_bytes: int) -> None:
+    """Refuse a budget the trainer cannot make progress in, in one sentence with the numbers.
+
+    The trainer needs its whole window on disk before it can reach the checkpoint that
+    acks any of it; a smaller budget waits forever on both sides.
+    """
+    w = ss.window_chunks()
+    # A trainer stalled for its next chunk still holds up to w - 1 chunks unacked (all
+    # but the one being written); the shut gate reopens only below low_mark x budget, so
+    # that must hold them too.
+    chunks = max(w, (w - 1) / ss.low_mark)
+    need = int(chunks * largest_chunk_bytes)
+    if ss.budget_bytes < need:
+        raise BudgetRefused(
+            f"stream.budget_gb {ss.budget_bytes / GB:.6g} ({human(ss.budget_bytes)}) is smaller "
+            f"than the trainer's window: ({ss.trainer_ranks} ranks x {ss.prefetch_chunks} "
+            f"chunks held (loader workers share their rank's) + {ss.checkpoint_chunks} chunks "
+            f"between checkpoints + 1) = {w} chunks, or {w - 1} chunks / stream.low_mark "
+            f"{ss.low_mark:g} = {(w - 1) / ss.low_mark:.3g} (the gate reopens below the low "
+            f"mark), x {human(largest_chunk_bytes)} (the largest chunk's estimate) = "
+            f"{human(need)}; raise stream.budget_gb or shrink the window (stream.* keys, or "
+            "smaller chunks: n_chunks)"
+        )
+    if ss.epochs_mode == "keep" and ss.passes > 1 and ss.budget_bytes < run_bytes:
+        raise BudgetRefused(
+            f"stream.epochs_mode keep with {ss.passes} passes keeps every chunk until the "
+            f"last pass, ~{human(run_bytes)}, more than stream.budget_gb "
+            f"{ss.budget_bytes / GB:.6g} ({human(ss.budget_bytes)}): use epochs_mode "
+            "regenerate, one pass, or a budget of the whole run"
+        )
+
+
+def _on_disk(run_dir: Path, line: dict[str, Any]) -> int:
+    try:
+        return (run_dir / line["path"]).stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _alive(entry: dict[str, Any]) -> bool:
+    """A reservation's job still runs (another host's: assumed alive, it cannot be seen)."""
+    if entry.get("host") != socket.gethostname():
+        return True
+    try:
+        os.kill(int(entry["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reservations(sdir: Path, *, exclude: str | None = None) -> dict[str, int]:
+    """Bytes reserved by live chunk jobs between their gate and their announcement."""
+    out = {}
+    d = sdir / INFLIGHT
+    if not d.is_dir():
+        return out
+    for p in d.glob("*.json"):
+        if p.stem == exclude:
+            continue
+        try:
+            entry = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue  # a reservation being written or removed right now
+        if _alive(entry):
+            out[p.stem] = int(entry["bytes"])
+        else:
+            p.unlink(missing_ok=True)  # a killed job's: ours, and it will not announce
+    return out
+
+
+def unacked_bytes(run_dir: Path, st: StreamState, final_pass: int) -> int:
+    return sum(_on_disk(run_dir, c) for c in st.unacked(final_pass))
+
+
+def delete_acked(run_dir: Path, st: StreamState, final_pass: int) -> list[str]:
+    """Remove the payload of every chunk acked for good; only a file the journal names,
+    under the run dir, of the size the journal recorded (anything else is not what we
+    wrote, and is left alone).  The sidecar stays (the receipt)."""
+    sdir = stream_dir(run_dir)
+    gone = []
+    for seq, c in sorted(st.chunks.items()):
+        if not st.is_acked(seq, final_pass):
+            continue
+        p = (run_dir / c["path"]).resolve()
+        if run_dir.resolve() not in p.parents or p.is_symlink():
+            continue
+        try:
+            if p.stat().st_size != c["bytes"]:
+                continue
+        except FileNotFoundError:
+            continue
+        p.unlink()
+        append_line(
+            sdir / DELETED,
+            {"seq": seq, "path": c["path"], "bytes": c["bytes"], "at": round(time.time(), 3)},
+        )
+        gone.append(c["path"])
+    return gone
+
+
+def _gate_state(sdir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((sdir / GATE).read_text())
+    except (OSError, ValueError):
+        return {"paused": False}
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def estimate_bytes(st: StreamState, tokens: int, raw_bytes_per_token: int) -> int:
+    """A chunk's size before it exists: its tokens at the largest bytes/token announced so
+    far (the codec's real ratio), or uncompressed while nothing is."""
+    seen = [c["bytes"] / c["tokens"] for c in st.chunks.values() if c.get("tokens")]
+    if seen:  # the header's share is in the ratio already
+        return int(tokens * max(seen)) + 1
+    return tokens * raw_bytes_per_token + HEADER_SLACK
+
+
+def wait_for_room(
+    run_dir: Path,
+    ss: StreamSettings,
+    *,
+    chunk: str,
+    tokens: int,
+    raw_bytes_per_token: int,
+    largest_tokens: int,
+    run_tokens: int,
+    on_wait: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Block until this chunk fits the budget, then reserve its estimate; the figures.
+
+    The gate opens while ``unacked + estimate <= budget``; once it refused it stays shut
+    for every chunk job until unacked bytes fall to ``low_mark x budget``.  A waiting job
+    watches the ack file (its size and mtime) with a poll of at most ``poll_s``.
+    """
+    run_dir = Path(run_dir)
+    sdir = stream_dir(run_dir)
+    t0 = time.monotonic()
+    last_report = -REPORT_EVERY_S
+    last_seen: tuple[float, int] | None = None
+    first = True
+    while True:
+        with locked(sdir):
+            st = read_state(sdir)
+            if first:
+                bpt = raw_bytes_per_token
+                check_window(ss, largest_tokens * bpt, run_tokens * bpt)
+                first = False
+            delete_acked(run_dir, st, ss.final_pass)
+            est = estimate_bytes(st, tokens, raw_bytes_per_token)
+            unacked = unacked_bytes(run_dir, st, ss.final_pass)
+            others = sum(reservations(sdir, exclude=chunk).values())
+            held = unacked + others
+            gate = _gate_state(sdir)
+            low = ss.low_mark * ss.budget_bytes
+            if gate.get("paused") and held <= low:
+                gate = {"paused": False}
+            fits = held + est <= ss.budget_bytes and not gate.get("paused")
+            if fits:
+                _write_json(sdir / GATE, gate)
+                (sdir / INFLIGHT).mkdir(exist_ok=True)
+                _write_json(
+                    sdir / INFLIGHT / f"{chunk}.json",
+                    {
+                        "bytes": est,
+                        "host": socket.gethostname(),
+                        "pid": os.getpid(),
+                        "at": round(time.time(), 3),
+                    },
+                )
+                return {
+                    "waited_s": round(time.monotonic() - t0, 3),
+                    "unacked_bytes": unacked,
+                    "reserved_bytes": others,
+                    "estimate_bytes": est,
+                }
+            if not gate.get("paused"):
+                gate = {"paused": True, "since": round(time.time(), 3), "by": chunk}
+                _write_json(sdir / GATE, gate)
+        now = time.monotonic()
+        if now - last_report >= REPORT_EVERY_S:
+            last_report = now
+            info = summary(run_dir, ss.final_pass, budget_bytes=ss.budget_bytes)
+            info.update(chunk=chunk, estimate_bytes=est, waited_s=round(now - t0, 1))
+            log.info("%s", waiting_text(info))
+            if on_wait is not None:
+                on_wait(info)
+        last_seen = _wait_for_acks(sdir, last_seen, ss.poll_s)
+
+
+def _wait_for_acks(sdir: Path, seen: tuple[float, int] | None, poll_s: float):
+    """Sleep until the ack file changes or ``poll_s`` passed; what it looked like."""
+    deadline = time.monotonic() + poll_s
+    step = min(0.05, poll_s)
+    while True:
+        try:
+            s = (sdir / ACKS).stat()
+            now = (s.st_mtime, s.st_size)
+        except FileNotFoundError:
+            now = (0.0, 0)
+        if seen is not None and now != seen:
+            return now
+        if time.monotonic() >= deadline:
+            return now
+        time.sleep(step)
+        step = min(step * 2, poll_s)
+
+
+def release(run_dir: Path, chunk: str) -> None:
+    """Drop a chunk job's reservation (announced: its file counts now; or failed)."""
+    (stream_dir(run_dir) / INFLIGHT / f"{chunk}.json").unlink(missing_ok=True)
+
+
+def summary(run_dir: Path, final_pass: int = 1, *, budget_bytes: int | None = None) -> dict:
+    """What ``hsextract status`` and a waiting chunk's log say: GB waiting for the trainer,
+    the oldest unacked chunk and since when, whether the gate is paused."""
+    run_dir = Path(run_dir)
+    sdir = stream_dir(run_dir)
+    st = read_state(sdir)
+    unacked = st.unacked(final_pass)
+    oldest = min(unacked, key=lambda c: c["at"], default=None)
+    deleted = read_lines(sdir / DELETED)
+    return {
+        "announced": len(st.chunks),
+        "acked": sum(1 for s in st.chunks if st.is_acked(s, final_pass)),
+        "unacked": len(unacked),
+        "unacked_bytes": sum(_on_disk(run_dir, c) for c in unacked),
+        "budget_bytes": budget_bytes,
+        "oldest_unacked": None
+        if oldest is None
+        else {"seq": oldest["seq"], "chunk": oldest["chunk"], "since": oldest["at"]},
+        "paused": bool(_gate_state(sdir).get("paused")),
+        "passes_ended": sorted(st.ends),
+        "deleted": len(deleted),
+        "deleted_bytes": sum(d["bytes"] for d in deleted),
+        "nacked": sorted(st.nacked),
+    }
+
+
+def waiting_text(info: dict[str, Any]) -> str:
+    old = info.get("oldest_unacked")
+    since = (
+        f"; oldest unacked {old['chunk']} (seq {old['seq']}) since "
+        f"{time.strftime('%H:%M:%S', time.localtime(old['since']))}"
+        if old
+        else ""
+    )
+    budget = info.get("budget_bytes")
+    of = f" of a {budget / GB:.3g} GB budget" if budget else ""
+    head = f"{info['chunk']}: waiting for the trainer, " if "chunk" in info else ""
+    return (
+        f"{head}{info['unacked_bytes'] / GB:.3g} GB in {info['unacked']} chunks not yet "
+        f"acknowledged{of}{since}"
+    )

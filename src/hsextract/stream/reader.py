@@ -1,0 +1,291 @@
+"""The trainer's side: a torch ``IterableDataset`` that follows a run in progress.
+
+Split (deterministic, whatever the timing): the chunks of a pass, in journal order, are
+dealt to DDP ranks by :func:`assign` -- each to the rank with the fewest records so far --
+and inside a rank every loader worker reads the *same* chunks, worker ``w`` taking the
+records at positions ``w, w+W, ...`` of the chunk's shuffled order.  Why not
+``seq % world``: ranks step in lockstep, one record each, so with uneven chunks a rank
+dealt small chunks would run many chunks ahead of one dealt a large one, and the chunks
+announced for the slow rank would fill the budget while the fast one waits for its next:
+a deadlock no window formula bounds.  Dealt by records, ranks stay within one chunk of
+each other.  Why records, not chunks, per worker: a rank then holds one chunk open however
+many workers decode it, so the trainer's disk window is ``ranks x prefetch + checkpoint +
+1`` chunks (stream.gate.check_window), and more workers cost no budget.
+
+Resume: each worker's position is its ``state_dict`` (pass, chunk slot, position in its
+share, padding yielded); torchdata's ``StatefulDataLoader`` gathers them from the worker
+processes and replays exactly what it had prefetched but not handed out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from hsextract.chunkfile import ChunkFileError, sha256_file
+from hsextract.chunks import ChunkReader
+from hsextract.stream.journal import JOURNAL, AckWriter, StreamError, read_state, stream_dir
+
+LAYOUTS = ("raw", "specforge", "speculators")
+
+
+def assign(lines: list[dict], world: int) -> list[list[int]]:
+    """Each rank's chunks (indices into ``lines``, in order): chunk i goes to the rank with
+    the fewest records dealt so far, the lowest such rank on a tie.  Chunk i's rank depends
+    on ``lines[:i+1]`` only, so every rank, and every resume, computes the same split from
+    whatever prefix of the journal it has read."""
+    load = [0] * world
+    out: list[list[int]] = [[] for _ in range(world)]
+    for i, c in enumerate(lines):
+        r = min(range(world), key=lambda k: (load[k], k))
+        out[r].append(i)
+        load[r] += int(c["records"])
+    return out
+
+
+def _seed_of(*parts: Any) -> int:
+    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "big")
+
+
+class StreamDataset(IterableDataset):
+    """Every record of every announced chunk exactly once per pass, for one DDP rank.
+
+    ``pass_`` counts from 1; ``set_pass`` moves to the next one (call it in the main
+    process before iterating again: workers get a fresh copy each epoch).  ``epochs_mode``
+    ``keep`` re-reads pass 1's chunks in every pass; ``regenerate`` reads pass p's.
+
+    Padding: once the pass has ended every rank knows every rank's record count; a rank
+    short of the largest yields that many padding samples (``pad`` True, one token, loss
+    mask 0), so all ranks take the same number of steps and DDP never waits on a rank that
+    ran out.  Real records are never dropped or repeated.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        *,
+        rank: int = 0,
+        world: int = 1,
+        seed: int = 0,
+        layout: str = "raw",
+        epochs_mode: str = "keep",
+        poll_s: float = 0.05,
+        timeout_s: float | None = None,
+    ) -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout {layout!r}: one of {', '.join(LAYOUTS)}")
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is not in [0, world {world})")
+        self.run_dir = Path(run_dir)
+        self.sdir = stream_dir(self.run_dir)
+        self.rank, self.world, self.seed = rank, world, seed
+        self.layout, self.epochs_mode = layout, epochs_mode
+        self.poll_s, self.timeout_s = poll_s, timeout_s
+        self.pass_ = 1
+        self._pos = {"pass": 1, "slot": 0, "pos": 0, "pad": 0}
+
+    # -- resumable state (torchdata's Stateful protocol, per worker) --------------------
+    def state_dict(self) -> dict[str, int]:
+        return dict(self._pos)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._pos = {k: int(state[k]) for k in ("pass", "slot", "pos", "pad")}
+        self.pass_ = self._pos["pass"]
+
+    def set_pass(self, pass_: int) -> None:
+        self.pass_ = pass_
+        if self._pos["pass"] != pass_:
+            self._pos = {"pass": pass_, "slot": 0, "pos": 0, "pad": 0}
+
+    # -- following the journal ----------------------------------------------------------
+    def _chunks_of_pass(self, st: Any) -> tuple[list[dict], bool]:
+        src = 1 if self.epochs_mode == "keep" else self.pass_
+        lines = [c for _, c in sorted(st.chunks.items()) if c["pass"] == src]
+        return lines, src in st.ends
+
+    def _wait(self, slot: int) -> tuple[list[dict], list[int], bool]:
+        """The pass's chunks and this rank's share once its ``slot``-th chunk is announced
+        or the pass has ended."""
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        seen = None
+        while True:
+            lines, ended = self._chunks_of_pass(read_state(self.sdir))
+            mine = assign(lines, self.world)[self.rank]
+            if len(mine) > slot or ended:
+                return lines, mine, ended
+            if deadline is not None and time.monotonic() > deadline:
+                raise StreamError(
+                    f"rank {self.rank}: no chunk {slot} of pass {self.pass_} in "
+                    f"{self.sdir / JOURNAL} after {self.timeout_s} s; is the workflow running?"
+                )
+            seen = _wait_change(self.sdir / JOURNAL, seen, self.poll_s)
+
+    def _open(self, line: dict) -> ChunkReader:
+        path = self.run_dir / line["path"]
+        try:
+            seen = sha256_file(path)
+        except FileNotFoundError:
+            raise StreamError(
+                f"{line['chunk']} (seq {line['seq']}) is announced but {path} is gone: it was "
+                "deleted before this trainer's checkpoint acknowledged it (another trainer "
+                "acked it, or a user removed it); resume from a checkpoint that still has it"
+            ) from None
+        if seen != line["sha256"]:
+            AckWriter(self.run_dir).nack(line["seq"], line["sha256"], seen)
+            raise StreamError(
+                f"{line['chunk']} (seq {line['seq']}): {path} has sha256 {seen[:12]}..., the "
+                f"journal announced {line['sha256'][:12]}...: nacked, not trained on"
+            )
+        try:
+            return ChunkReader(path)
+        except ChunkFileError as exc:
+            raise StreamError(f"{line['chunk']} (seq {line['seq']}): {exc}") from exc
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        if self._pos["pass"] != self.pass_:
+            self._pos = {"pass": self.pass_, "slot": 0, "pos": 0, "pad": 0}
+        while True:
+            lines, mine, _ = self._wait(self._pos["slot"])
+            if self._pos["slot"] >= len(mine):
+                break  # the pass ended: this rank has no more chunks
+            line = lines[mine[self._pos["slot"]]]
+            order = list(range(int(line["records"])))
+            random.Random(_seed_of(self.seed, self.pass_, line["seq"])).shuffle(order)
+            share = order[wid::nw]
+            reader = self._open(line) if self._pos["pos"] < len(share) else None
+            while self._pos["pos"] < len(share):
+                j = share[self._pos["pos"]]
+                self._pos["pos"] += 1
+                if self._pos["pos"] == len(share):  # done with this chunk: say so at once
+                    self._pos["slot"] += 1
+                    self._pos["pos"] = 0
+                assert reader is not None
+                yield self._sample(reader[j], line)
+                if self._pos["pos"] == 0:
+                    break
+            else:
+                self._pos["slot"] += 1
+                self._pos["pos"] = 0
+            del reader
+        yield from self._padding(lines, wid, nw)
+
+    def _padding(self, lines: list[dict], wid: int, nw: int) -> Iterator[dict[str, Any]]:
+        totals = [sum(int(lines[i]["records"]) for i in m) for m in assign(lines, self.world)]
+        deficit = max(totals) - totals[self.rank]
+        mine = len(range(wid, deficit, nw))
+        while self._pos["pad"] < mine:
+            self._pos["pad"] += 1
+            yield self._pad_sample(lines)
+
+    # -- layouts ----------------------------------------------------------------------
+    def _sample(self, rec: dict[str, Any], line: dict) -> dict[str, Any]:
+        meta = {"seq": int(line["seq"]), "pass": self.pass_, "id": rec["id"], "pad": False}
+        if self.layout == "raw":
+            return {**rec, **meta}
+        if self.layout == "specforge":
+            from hsextract.export.specforge import _tensors
+
+            return {**_tensors(rec), **meta}
+        return {**speculators_sample(rec, line["chunk"]), **meta}
+
+    def _pad_sample(self, lines: list[dict]) -> dict[str, Any]:
+        """One token, loss mask 0, shaped like the real samples (from the journal's
+        ``shapes``: the chunk files may be deleted by now)."""
+        shapes = next((c["shapes"] for c in lines if c.get("shapes")), None)
+        if shapes is None:
+            raise StreamError(f"pass {self.pass_}: no chunk's shapes to pad rank {self.rank} with")
+        dtype = getattr(torch, shapes["dtype"])
+        rec: dict[str, Any] = {
+            "input_ids": torch.zeros(1, dtype=torch.int32),
+            "loss_mask": torch.zeros(1, dtype=torch.uint8),
+            "hidden_states": torch.zeros(1, shapes["hidden"], dtype=dtype),
+            "aux_hidden_states": torch.zeros(1, shapes["aux"], dtype=dtype),
+            "id": "<pad>",
+        }
+        if shapes.get("prenorm"):
+            rec["prenorm_hidden_states"] = torch.zeros(1, shapes["hidden"], dtype=dtype)
+        out = self._sample(rec, lines[0])
+        return {**out, "seq": -1, "pad": True}
+
+
+def speculators_sample(rec: dict[str, Any], chunk: str) -> dict[str, torch.Tensor]:
+    """One record as speculators' ``BaseDataset.__getitem__`` returns it (speculators
+    0.9.0): aux layers concatenated, the pre-norm final state apart."""
+    if "prenorm_hidden_states" not in rec:
+        raise StreamError(
+            f"{chunk}: speculators' layout needs the pre-norm final state, which this run "
+            "did not capture; set prenorm_final: true (a new run dir)"
+        )
+    t = rec["input_ids"].shape[0]
+    return {
+        "input_ids": rec["input_ids"].to(torch.int64),
+        "hidden_states": rec["aux_hidden_states"],
+        "verifier_last_hidden_states": rec["prenorm_hidden_states"],
+        "loss_mask": rec["loss_mask"].to(torch.int64),
+        "lengths": torch.tensor([t], dtype=torch.long),
+        "position_ids": torch.arange(t, dtype=torch.long),
+    }
+
+
+def _wait_change(path: Path, seen: Any, poll_s: float) -> Any:
+    """Sleep until ``path`` changes (size, mtime) or ``poll_s`` passed."""
+    deadline = time.monotonic() + poll_s
+    step = min(0.01, poll_s)
+    while True:
+        try:
+            s = path.stat()
+            now = (s.st_mtime_ns, s.st_size)
+        except FileNotFoundError:
+            now = None
+        if (seen is not None and now != seen) or time.monotonic() >= deadline:
+            return now
+        time.sleep(step)
+        step = min(step * 2, poll_s)
+
+
+def worker_states(loader_state: dict[str, Any]) -> list[dict[str, int]]:
+    """Each loader worker's dataset state inside a ``StatefulDataLoader.state_dict()``
+    (or the dataset's own state with no workers)."""
+    snap = loader_state.get("_snapshot", loader_state)
+    workers = snap.get("_worker_snapshots")
+    if workers:
+        return [w["dataset_state"] for w in workers.values() if w.get("dataset_state")]
+    ds = loader_state.get("dataset_state") or snap.get("_main_snapshot", {}).get("dataset_state")
+    return [ds] if ds else []
+
+
+def consumed_seqs(
+    run_dir: str | os.PathLike[str],
+    loader_state: dict[str, Any],
+    *,
+    rank: int,
+    world: int,
+    epochs_mode: str = "keep",
+) -> list[int]:
+    """The seqs this rank's loader state has read to the end in every worker: what a
+    checkpoint holding that state covers, so what may be acked once it commits.
+
+    A worker that has not started yet (no state) covers nothing.
+    """
+    states = worker_states(loader_state)
+    snap = loader_state.get("_snapshot", {})
+    workers = snap.get("_main_snapshot", {}).get("_num_workers", 0) or 1
+    if len(states) < workers:
+        return []  # a worker that has not reported yet covers nothing
+    pass_ = states[0]["pass"]
+    done = min(s["slot"] for s in states)
+    st = read_state(stream_dir(run_dir))
+    src = 1 if epochs_mode == "keep" else pass_
+    lines = [c for _, c in sorted(st.chunks.items()) if c["pass"] == src]
+    mine = assign(lines, world)[rank]
+    return [int(lines[i]["seq"]) for i in mine[:done]]

@@ -1,0 +1,425 @@
+"""Train while extracting (issue 39), the fast pieces: journal, acks, gate, reader.
+
+Chunk files are written with the real ChunkWriter and announced through the real journal;
+the workflow end to end is tests/test_stream_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from hsextract.chunks import ChunkWriter, sha256_file
+from hsextract.stream import gate, journal
+from hsextract.stream.reader import StreamDataset, assign, consumed_seqs
+
+H, K = 4, 3
+SHAPES = {"hidden": H, "aux": K * H, "prenorm": False, "dtype": "float32"}
+
+
+def write_chunk(
+    run_dir: Path, i: int, n_records: int, *, tokens: int = 3, prenorm: bool = False
+) -> dict:
+    """hidden/chunk_{i}.safetensors whose record j has ids [i*1000+j]*tokens and states of
+    that value (with ``prenorm``, one more aux block: layer L, the pre-norm final state,
+    of value -that); its sidecar."""
+    path = run_dir / "hidden" / f"chunk_{i:05d}.safetensors"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ids = [f"r{i}-{j}" for j in range(n_records)]
+    k = K + prenorm
+    meta = {"record_ids": json.dumps(ids), "aux_layers": json.dumps([1, 2, 3, 4][:k]),
+            "hidden_size": str(H), "num_layers": "4"}  # fmt: skip
+    w = ChunkWriter(path, [tokens] * n_records, hidden_size=H, n_aux=k, dtype=torch.float32,
+                    metadata=meta)  # fmt: skip
+    for j in range(n_records):
+        v = float(i * 1000 + j)
+        aux = torch.full((tokens, k * H), v)
+        aux[:, K * H :] = -v
+        w.put(j, torch.full((tokens,), i * 1000 + j, dtype=torch.int32),
+              torch.ones(tokens, dtype=torch.uint8), torch.full((tokens, H), v), aux)  # fmt: skip
+    sha = w.finish()
+    return {"chunk": path.stem, "path": f"hidden/{path.name}", "sha256": sha,
+            "records": n_records, "tokens": tokens * n_records,
+            "content_digest": f"d{i}"}  # fmt: skip
+
+
+def announce(run_dir: Path, side: dict, n_chunks: int) -> tuple[int, bool]:
+    return journal.announce(run_dir, n_chunks=n_chunks, shapes=SHAPES, **side)
+
+
+def make_run(run_dir: Path, sizes: list[int]) -> list[dict]:
+    sides = [write_chunk(run_dir, i, n) for i, n in enumerate(sizes)]
+    for s in sides:
+        announce(run_dir, s, len(sizes))
+    return sides
+
+
+def wait_for(cond, timeout: float = 60.0) -> None:
+    """Until ``cond()`` holds (an event seen through files), or fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {cond.__name__}"
+        time.sleep(0.01)
+
+
+def journal_lines(run_dir: Path) -> list[dict]:
+    return journal.read_lines(run_dir / "stream" / "journal.jsonl")
+
+
+# -- journal --------------------------------------------------------------------------
+
+
+def test_a_chunk_is_announced_once_and_the_pass_ends_once(tmp_path):
+    sides = [write_chunk(tmp_path, i, 2) for i in range(3)]
+    assert announce(tmp_path, sides[0], 3) == (0, True)
+    assert announce(tmp_path, sides[1], 3) == (1, True)
+    # A job killed after announcing and rerun: the same seq, nothing appended.
+    assert announce(tmp_path, sides[0], 3) == (0, False)
+    assert announce(tmp_path, sides[2], 3) == (2, True)
+    assert announce(tmp_path, sides[2], 3) == (2, False)
+    lines = journal_lines(tmp_path)
+    assert [ln["type"] for ln in lines] == ["chunk", "chunk", "chunk", "end_pass"]
+    assert lines[3]["seqs"] == [0, 1, 2] and lines[3]["records"] == 6
+    assert {ln["chunk"]: ln["sha256"] for ln in lines[:3]} == {
+        s["chunk"]: sha256_file(tmp_path / s["path"]) for s in sides
+    }
+
+
+def test_a_torn_last_line_is_ignored_then_cut_by_the_next_append(tmp_path):
+    sides = [write_chunk(tmp_path, i, 1) for i in range(2)]
+    announce(tmp_path, sides[0], 2)
+    jpath = tmp_path / "stream" / "journal.jsonl"
+    with open(jpath, "ab") as f:
+        f.write(b'{"type": "chunk", "seq": 1, "chu')  # a writer killed mid-append
+    assert [ln["seq"] for ln in journal_lines(tmp_path)] == [0]
+    assert announce(tmp_path, sides[1], 2) == (1, True)
+    assert jpath.read_bytes().count(b"\n") == 3  # two chunks and the end of the pass
+    assert [ln.get("seq") for ln in journal_lines(tmp_path)] == [0, 1, None]
+
+
+def _announce_all(run_dir: str, sides: list[dict], order: list[int]) -> None:
+    for i in order:
+        announce(Path(run_dir), sides[i], len(sides))
+
+
+def test_concurrent_announcers_give_each_chunk_one_seq(tmp_path):
+    sides = [write_chunk(tmp_path, i, 1) for i in range(12)]
+    ctx = mp.get_context("spawn")
+    orders = [
+        list(range(12)),
+        list(reversed(range(12))),
+        list(range(0, 12, 2)) + list(range(1, 12, 2)),
+    ]
+    procs = [ctx.Process(target=_announce_all, args=(str(tmp_path), sides, o)) for o in orders]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    chunks = [ln for ln in journal_lines(tmp_path) if ln["type"] == "chunk"]
+    assert sorted(ln["seq"] for ln in chunks) == list(range(12))
+    assert Counter(ln["chunk"] for ln in chunks) == Counter(s["chunk"] for s in sides)
+    assert sum(ln["type"] == "end_pass" for ln in journal_lines(tmp_path)) == 1
+
+
+def test_a_redone_chunk_with_other_bytes_is_a_revision_of_its_seq(tmp_path):
+    sides = [write_chunk(tmp_path, i, 2) for i in range(2)]
+    announce(tmp_path, sides[0], 2)
+    redo = write_chunk(tmp_path, 0, 2, tokens=4)  # same records, other bytes
+    assert announce(tmp_path, redo, 2) == (0, True)
+    st = journal.read_state(tmp_path / "stream")
+    assert st.chunks[0]["rev"] == 1 and st.chunks[0]["sha256"] == redo["sha256"]
+    assert announce(tmp_path, sides[1], 2) == (1, True)
+
+
+# -- gate -----------------------------------------------------------------------------
+
+
+def settings(budget: int, **kw) -> gate.StreamSettings:
+    return gate.StreamSettings(budget_bytes=budget, poll_s=0.05, **kw)
+
+
+def test_a_budget_below_the_trainer_window_is_refused_naming_the_numbers():
+    ss = settings(int(3e9), trainer_ranks=2, prefetch_chunks=1, checkpoint_chunks=2)
+    with pytest.raises(gate.BudgetRefused) as e:
+        gate.check_window(ss, largest_chunk_bytes=int(1e9), run_bytes=int(16e9))
+    msg = str(e.value)
+    assert msg.startswith("stream.budget_gb 3 (3.0 GB) is smaller than the trainer's window")
+    assert "2 ranks x 1 chunks held" in msg and "2 chunks between checkpoints" in msg
+    assert "= 5 chunks, or 4 chunks / stream.low_mark 0.75 = 5.33" in msg
+    assert "x 1.0 GB (the largest chunk's estimate) = 5.3 GB" in msg
+    assert "\n" not in msg
+    ok = settings(int(5.4e9), trainer_ranks=2, prefetch_chunks=1, checkpoint_chunks=2)
+    gate.check_window(ok, largest_chunk_bytes=int(1e9), run_bytes=int(16e9))
+    with pytest.raises(gate.BudgetRefused, match="low_mark 0.5 = 8"):
+        gate.check_window(settings(int(5.4e9), trainer_ranks=2, prefetch_chunks=1,
+                                   checkpoint_chunks=2, low_mark=0.5),
+                          largest_chunk_bytes=int(1e9), run_bytes=int(16e9))  # fmt: skip
+
+
+def test_the_gate_waits_for_acks_and_resumes_below_the_low_mark(tmp_path):
+    sides = make_run(tmp_path, [4, 4, 4, 4, 4])
+    size = (tmp_path / sides[0]["path"]).stat().st_size
+    bpt = size // sides[0]["tokens"] + 1  # the estimate of a like chunk: about one chunk
+    ss = settings(int(5 * size), low_mark=0.45, prefetch_chunks=1, checkpoint_chunks=1)
+    kw = dict(tokens=12, raw_bytes_per_token=bpt, largest_tokens=12, run_tokens=72)
+    passed = threading.Event()
+    errors: list[BaseException] = []
+
+    def job():
+        try:
+            gate.wait_for_room(tmp_path, ss, chunk="chunk_00005", **kw)
+            passed.set()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    def paused() -> bool:
+        try:
+            return json.loads((tmp_path / "stream" / "gate.json").read_text())["paused"]
+        except FileNotFoundError:
+            return False
+
+    def gate_has_looked(path: Path) -> None:
+        """The gate deleted ``path`` (acked) and finished that look (it holds the lock)."""
+        wait_for(lambda: not path.exists())
+        with journal.locked(tmp_path / "stream"):
+            pass
+
+    t = threading.Thread(target=job, daemon=True)
+    t.start()
+    try:
+        # 5 chunks unacked + ~1: over 5, the gate shuts.  One ack leaves 4 + 1 <= 5 but
+        # above the low mark (2.25 chunks): still shut, by hysteresis.
+        wait_for(paused)
+        assert not passed.is_set()
+        journal.AckWriter(tmp_path).ack([0])
+        gate_has_looked(tmp_path / sides[0]["path"])
+        assert not passed.is_set() and not errors
+        assert paused()
+        assert gate.reservations(tmp_path / "stream") == {}
+        journal.AckWriter(tmp_path).ack([1, 2])  # 2 left: below the low mark
+        assert passed.wait(60), errors
+    finally:
+        journal.AckWriter(tmp_path).ack([0, 1, 2, 3, 4])
+        t.join(60)
+    assert not errors
+    # The acked payloads were deleted (ours: named by the journal, of its size), the
+    # reservation is held until the chunk is announced.
+    assert not any((tmp_path / sides[i]["path"]).exists() for i in range(3))
+    est = gate.estimate_bytes(journal.read_state(tmp_path / "stream"), 12, bpt)
+    assert gate.reservations(tmp_path / "stream") == {"chunk_00005": est}
+    deleted = journal.read_lines(tmp_path / "stream" / "deleted.jsonl")
+    assert sorted(d["seq"] for d in deleted) == [0, 1, 2]
+
+
+def test_deletion_leaves_a_file_that_is_not_what_we_announced(tmp_path):
+    sides = make_run(tmp_path, [2, 2])
+    p = tmp_path / sides[0]["path"]
+    p.write_bytes(b"a user's file now")  # not the size the journal recorded
+    journal.AckWriter(tmp_path).ack([0, 1])
+    st = journal.read_state(tmp_path / "stream")
+    assert gate.delete_acked(tmp_path, st, 1) == [sides[1]["path"]]
+    assert p.read_bytes() == b"a user's file now"
+
+
+def test_a_dead_jobs_reservation_is_dropped(tmp_path):
+    sdir = tmp_path / "stream" / gate.INFLIGHT
+    sdir.mkdir(parents=True)
+    ctx = mp.get_context("spawn")
+    p = ctx.Process(target=os.getpid)
+    p.start()
+    p.join()
+    import socket
+
+    for name, pid in (("chunk_00001", p.pid), ("chunk_00002", os.getpid())):
+        (sdir / f"{name}.json").write_text(
+            json.dumps({"bytes": 10, "host": socket.gethostname(), "pid": pid})
+        )
+    assert gate.reservations(tmp_path / "stream") == {"chunk_00002": 10}
+    assert not (sdir / "chunk_00001.json").exists()
+
+
+def test_the_summary_names_what_waits_for_the_trainer(tmp_path):
+    sides = make_run(tmp_path, [2, 3])
+    journal.AckWriter(tmp_path).ack([0])
+    info = gate.summary(tmp_path, budget_bytes=int(1e9))
+    assert info["unacked"] == 1 and info["acked"] == 1
+    assert info["unacked_bytes"] == (tmp_path / sides[1]["path"]).stat().st_size
+    assert info["oldest_unacked"]["chunk"] == "chunk_00001"
+    assert "chunk_00001 (seq 1)" in gate.waiting_text(info)
+
+
+# -- reader ---------------------------------------------------------------------------
+
+
+def ids_of(samples) -> list[str]:
+    return [s["id"] for s in samples if not s["pad"]]
+
+
+def loader(ds, workers=2, state=None):
+    dl = StatefulDataLoader(ds, batch_size=None, num_workers=workers)
+    if state is not None:
+        dl.load_state_dict(state)
+    return dl
+
+
+def test_ranks_and_workers_yield_every_record_once_in_lockstep(tmp_path):
+    sizes = [5, 1, 7, 3, 2, 6, 5]
+    make_run(tmp_path, sizes)
+    per_rank = []
+    for rank in range(2):
+        ds = StreamDataset(tmp_path, rank=rank, world=2, seed=3, timeout_s=60)
+        per_rank.append(list(loader(ds)))
+    everything = ids_of(per_rank[0]) + ids_of(per_rank[1])
+    want = [f"r{i}-{j}" for i, n in enumerate(sizes) for j in range(n)]
+    assert Counter(everything) == Counter(want)
+    # Dealt by records: chunks 0,3,4,6 (15 records) to rank 0; 1,2,5 (14) to rank 1,
+    # padded to 15.
+    assert assign([{"records": n} for n in sizes], 2) == [[0, 3, 4, 6], [1, 2, 5]]
+    assert {s["seq"] for s in per_rank[1] if not s["pad"]} == {1, 2, 5}
+    assert len(per_rank[0]) == len(per_rank[1]) == 15
+    pads = [s for s in per_rank[1] if s["pad"]]
+    assert len(pads) == 1 and all(int(p["loss_mask"].sum()) == 0 for p in pads)
+    assert not [s for s in per_rank[0] if s["pad"]]
+    # Deterministic: the same split and order again; another seed shuffles otherwise.
+    again = list(loader(StreamDataset(tmp_path, rank=0, world=2, seed=3, timeout_s=60)))
+    assert ids_of(again) == ids_of(per_rank[0])
+    other = list(loader(StreamDataset(tmp_path, rank=0, world=2, seed=4, timeout_s=60)))
+    assert ids_of(other) != ids_of(per_rank[0])
+    assert Counter(ids_of(other)) == Counter(ids_of(per_rank[0]))
+
+
+def test_the_reader_follows_a_run_in_progress(tmp_path):
+    sizes = [3, 2, 4, 1]
+    sides = [write_chunk(tmp_path, i, n) for i, n in enumerate(sizes)]
+    got: list[str] = []
+    waiting = threading.Event()
+    ds = StreamDataset(tmp_path, rank=0, world=1, timeout_s=60)
+    it = iter(ds)
+
+    def consume():
+        waiting.set()
+        got.extend(s["id"] for s in it if not s["pad"])
+
+    t = threading.Thread(target=consume, daemon=True)
+    announce(tmp_path, sides[0], 4)
+    t.start()
+    try:
+        assert waiting.wait(30)
+        for s in sides[1:]:
+            announce(tmp_path, s, 4)
+    finally:
+        t.join(60)
+    assert not t.is_alive()
+    assert Counter(got) == Counter(f"r{i}-{j}" for i, n in enumerate(sizes) for j in range(n))
+
+
+def test_resuming_from_a_state_dict_yields_exactly_the_rest(tmp_path):
+    make_run(tmp_path, [5, 1, 7, 3, 2, 6])
+    whole = ids_of(loader(StreamDataset(tmp_path, rank=1, world=2, seed=1, timeout_s=60)))
+    for cut in (1, 4, 7, 12):
+        dl = loader(StreamDataset(tmp_path, rank=1, world=2, seed=1, timeout_s=60))
+        it = iter(dl)
+        first = [next(it) for _ in range(cut)]
+        state = dl.state_dict()
+        del it, dl
+        rest = loader(StreamDataset(tmp_path, rank=1, world=2, seed=1, timeout_s=60), state=state)
+        assert ids_of(first) + ids_of(rest) == whole, cut
+
+
+def test_consumed_seqs_are_the_chunks_every_worker_finished(tmp_path):
+    make_run(tmp_path, [4, 4, 4, 4])
+    dl = loader(StreamDataset(tmp_path, rank=0, world=2, timeout_s=60))
+    it = iter(dl)
+    taken = [next(it) for _ in range(4)]  # chunk seq 0's four records, two per worker
+    assert {s["seq"] for s in taken} == {0}
+    assert consumed_seqs(tmp_path, dl.state_dict(), rank=0, world=2) == [0]
+    taken += list(it)
+    assert consumed_seqs(tmp_path, dl.state_dict(), rank=0, world=2) == [0, 2]
+
+
+def test_a_chunk_whose_bytes_changed_is_nacked_not_trained_on(tmp_path):
+    sides = make_run(tmp_path, [2, 2])
+    p = tmp_path / sides[1]["path"]
+    data = bytearray(p.read_bytes())
+    data[-1] ^= 0xFF
+    p.write_bytes(bytes(data))
+    got = []
+    with pytest.raises(journal.StreamError, match="chunk_00001 \\(seq 1\\).*nacked"):
+        for s in StreamDataset(tmp_path, world=1, timeout_s=60):
+            got.append(s["seq"])
+    assert set(got) == {0}
+    nacks = journal.read_state(tmp_path / "stream").nacked
+    assert list(nacks) == [1] and nacks[1]["sha256_expected"] == sides[1]["sha256"]
+
+
+def test_the_trainers_layouts(tmp_path):
+    make_run(tmp_path, [2])
+    s = next(iter(StreamDataset(tmp_path, layout="specforge", timeout_s=60)))
+    assert s["input_ids"].dtype == torch.int64 and s["loss_mask"].dtype == torch.int64
+    assert s["hidden_state"].shape == (1, 3, H) and s["aux_hidden_state"].shape == (1, 3, K * H)
+    with pytest.raises(journal.StreamError, match="prenorm_final: true"):
+        next(iter(StreamDataset(tmp_path, layout="speculators", timeout_s=60)))
+
+
+def test_speculators_layout_from_a_prenorm_run(tmp_path):
+    side = write_chunk(tmp_path, 0, 2, tokens=5, prenorm=True)
+    announce(tmp_path, side, 1)
+    s = next(iter(StreamDataset(tmp_path, layout="speculators", timeout_s=60)))
+    v = float(s["input_ids"][0])
+    assert s["input_ids"].dtype == torch.int64 and s["lengths"].tolist() == [5]
+    assert s["hidden_states"].shape == (5, K * H) and bool((s["hidden_states"] == v).all())
+    assert s["verifier_last_hidden_states"].shape == (5, H)
+    assert bool((s["verifier_last_hidden_states"] == -v).all())
+    assert s["position_ids"].tolist() == list(range(5))
+
+
+def test_the_server_never_imports_the_stream_and_the_gate_no_torch():
+    """The server process imports capture and engine: none of them reaches the stream; a
+    chunk job's gate (journal, gate) costs no torch import."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, hsextract.capture, hsextract.engine\n"
+        "assert not [m for m in sys.modules if m.startswith('hsextract.stream')], 'server'\n"
+        "for m in [m for m in sys.modules if m.startswith(('torch', 'hsextract'))]:\n"
+        "    del sys.modules[m]\n"
+        "import hsextract.stream.gate, hsextract.stream.journal\n"
+        "assert 'torch' not in sys.modules, 'gate'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_ranks_are_dealt_records_within_one_chunk_of_each_other():
+    """Dealt by records, not seq % world: with uneven chunks a rank's records never run
+    more than a chunk ahead of another's, on every prefix of the journal."""
+    import random
+
+    rng = random.Random(0)
+    sizes = [rng.choice([1, 1, 1, 2, 9, 17]) for _ in range(200)]
+    for world in (2, 3, 8):
+        for n in range(1, len(sizes) + 1, 7):
+            lines = [{"records": k} for k in sizes[:n]]
+            loads = [sum(sizes[i] for i in m) for m in assign(lines, world)]
+            assert max(loads) - min(loads) <= max(sizes[:n])
+    # seq % world would not: 17s on even seqs, 1s on odd ones.
+    lines = [{"records": 17 if i % 2 == 0 else 1} for i in range(20)]
+    loads = [sum(lines[i]["records"] for i in m) for m in assign(lines, 2)]
+    assert max(loads) - min(loads) <= 17
+    assert abs(sum(c["records"] for c in lines[0::2]) - sum(c["records"] for c in lines[1::2])) > 17
