@@ -12,6 +12,7 @@ import copy
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -77,6 +78,7 @@ def hsextract(*args: str) -> subprocess.CompletedProcess:
 def test_specforge_export_refuses_a_chunk_whose_bytes_changed(demo_copy):
     """One flipped byte that still decodes: refused naming the file, both digests and the
     fix, no traceback, the chunk file left alone and none of its records' files kept."""
+    from hsextract.chunkfile import ChunkDigestError
     from hsextract.chunks import ChunkReader
 
     rd = demo_copy["run_dir"]
@@ -84,8 +86,10 @@ def test_specforge_export_refuses_a_chunk_whose_bytes_changed(demo_copy):
     expected = demo_copy["manifest"]["chunks"][1]["sha256"]
     flip_a_state_byte(victim)
     actual = sha(victim)
-    reader = ChunkReader(victim)
+    reader = ChunkReader(victim, verify=False)
     assert len([reader[j] for j in range(len(reader))]) == len(reader)  # silent to decoding
+    with pytest.raises(ChunkDigestError, match=re.escape(f"{victim} has sha256 {actual[:12]}")):
+        ChunkReader(victim)  # its sidecar's sha256, checked at open
 
     res = hsextract("export", "specforge", "--manifest", str(rd / "manifest.json"))
     assert res.returncode == 1, res.stdout + res.stderr
