@@ -238,7 +238,7 @@ def collect(
         tokens_total: int | None = sum(int(e.get("tokens", 0)) for e in index["chunks"])
         names = [Path(e["path"]).stem for e in index["chunks"]]
         tokens_of = {Path(e["path"]).stem: int(e.get("tokens", 0)) for e in index["chunks"]}
-        for state in chunk_states(rd, index_path, fp):
+        for state in chunk_states(rd, index_path, fp, rehash=False):  # a status never hashes
             if not state.current:
                 continue
             done.add(state.chunk)

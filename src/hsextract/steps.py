@@ -152,7 +152,8 @@ def preflight_budget(sm: Any) -> None:
     chunks = read_index(Path(sm.input.index))["chunks"]
     # Only what will be written counts: a rerun of one chunk of a 5 TB run needs one
     # chunk's space, not the run's.
-    states = chunk_states(run_dir(cfg), Path(sm.input.index), fingerprint(cfg))
+    # rehash=False: a chunk written to since its extraction counts (plan_chunks hashes it).
+    states = chunk_states(run_dir(cfg), Path(sm.input.index), fingerprint(cfg), rehash=False)
     todo = [c for c, s in zip(chunks, states, strict=True) if not s.current]
     geo = model_geometry(cfg)
     report = preflight(
@@ -426,9 +427,9 @@ def launch_server(sm: Any) -> None:
     _export_api_key(cfg)
     spec = server.build_spec(cfg, run_dir=rd, log_path=rd / "logs" / "server.log")
     checked = check_sglang_command(cfg, spec.argv) if cfg.engine == "sglang" else {}
-    todo = [
-        s.chunk for s in chunk_states(rd, Path(sm.input.index), fingerprint(cfg)) if not s.current
-    ]
+    # rehash=False: a chunk written to since its extraction counts (plan_chunks hashes it).
+    states = chunk_states(rd, Path(sm.input.index), fingerprint(cfg), rehash=False)
+    todo = [s.chunk for s in states if not s.current]
     if todo and getattr(sm.params, "per_node", False):
         state = {
             "started": False,
@@ -452,6 +453,13 @@ def launch_server(sm: Any) -> None:
     state = {**state, "chunks_to_extract": len(todo), "command_check": checked}
     server.write_json(Path(sm.output.state), state)
     write_settings(Path(sm.output.settings), sm.params.settings)
+
+
+def note_changed_chunks(sm: Any) -> None:
+    from hsextract.plan import note_changed
+
+    found = note_changed(run_dir(typed(sm.config)), Path(sm.output.note))
+    log.info("chunk files written to after their extraction: %s", found or "none")
 
 
 def plan_chunks(sm: Any) -> None:
@@ -496,6 +504,29 @@ def extract_chunk(sm: Any) -> None:
         f"hsextract [{sidecar['chunk']}]: {sidecar['records']} records, {sidecar['tokens']} "
         f"tokens in {sidecar['seconds']:.1f}s ({sidecar['tokens_per_s']:.0f} tok/s)\n"
     )
+    _follow_in_manifest(cfg, Path(sm.output.sidecar), Path(sm.input.index), sidecar["chunk"])
+
+
+def _follow_in_manifest(cfg: Config, sidecar: Path, index: Path, name: str) -> None:
+    """The manifest's entry follows the chunk just written (manifest.update_manifest_entry).
+
+    Never fails the job: the chunk is good, and Snakemake would delete a failed job's
+    outputs.  What kept the entry from following is said, with the command that rebuilds
+    the manifest (readers name it too, for a manifest left stale).
+    """
+    from hsextract.errors import HsextractError
+    from hsextract.manifest import update_manifest_entry
+
+    manifest = run_dir(cfg) / "manifest.json"
+    try:
+        log.info("%s", update_manifest_entry(manifest, sidecar, index=index, cfg=cfg))
+    except (HsextractError, OSError, ValueError, KeyError) as exc:
+        msg = (
+            f"{manifest} not updated for {name} ({exc}); rebuild it with "
+            "`snakemake -j1 extract_all`"
+        )
+        log.warning("%s", msg)
+        sys.__stderr__.write(f"hsextract [{name}]: {msg}\n")
 
 
 def manifest(sm: Any) -> None:
