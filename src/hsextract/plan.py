@@ -19,6 +19,7 @@ depends on.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -108,7 +109,9 @@ def chunk_states(
     A chunk file newer than its sidecar was written to after its extraction: with
     ``rehash`` it is hashed, and current only if its bytes are still the sidecar's sha256;
     without (``hsextract status``, the server's start, the space check: they must stay
-    cheap, and plan_chunks decides) it counts as one to redo.  With ``restamp``
+    cheap) it counts as current, as before: plan_chunks decides, and a chunk job that then
+    needs a server starts it (``ensure()``).  A restored run whose sidecars got new mtimes
+    is not all redo in a status.  With ``restamp``
     (plan_chunks), one whose bytes are unchanged (touched, copied without its times) gets
     its sidecar's mtime, as a chunk job leaves it, so that no later plan hashes it again.
     """
@@ -165,7 +168,7 @@ def _rehashed(
     extracted (the sidecar's sha256)."""
     name = data.stem
     if not rehash:
-        return ChunkState(name, False, "written to after its extraction (the plan re-hashes it)")
+        return ChunkState(name, True, "current unless its bytes changed (the plan re-hashes it)")
     try:
         actual = sha256_file(data)
     except OSError as exc:
@@ -180,8 +183,10 @@ def _rehashed(
         )
     if restamp and not data.is_symlink():
         # As the chunk job left it (Snakemake touches its outputs, the sidecar last): not
-        # newer than its sidecar, so the scan for changed chunks passes it by.
-        os.utime(data, ns=(st.st_atime_ns, sidecar_mtime))
+        # newer than its sidecar, so the scan for changed chunks passes it by.  A file we
+        # may not stamp (another owner's copy) is only hashed again by the next plan.
+        with contextlib.suppress(OSError):
+            os.utime(data, ns=(st.st_atime_ns, sidecar_mtime))
     return ChunkState(name, True, "current (written to after its extraction, same bytes)")
 
 
@@ -194,7 +199,8 @@ def changed_chunks(run_dir: Path) -> list[tuple[str, int, int]]:
     written to since (a byte flipped in place, a touch, a copy over it).
     """
     try:
-        found = {e.name: e for e in os.scandir(Path(run_dir) / "hidden")}
+        with os.scandir(Path(run_dir) / "hidden") as entries:
+            found = {e.name: e for e in entries}
     except (FileNotFoundError, NotADirectoryError):
         return []
     out = []
@@ -218,9 +224,11 @@ def changed_note(run_dir: Path) -> str:
 
     Why a name: nothing Snakemake compares changes when a chunk's bytes do (the chunk job's
     inputs are ancient, its sidecar is untouched), so ``extract_all`` said "Nothing to be
-    done".  A new set of changed files is a new name, a missing input of plan_chunks; its
-    rule (note_changed_chunks) writes it, the plan reruns, re-hashes those files and lists
-    the ones whose bytes changed.  No changed file: the same name as every time before.
+    done".  A new set of changed files is a new name, a missing input of extract_all (the
+    target: Snakemake makes only a target's missing inputs) and of plan_chunks; its rule
+    (note_changed_chunks) writes it, the plan reruns, re-hashes those files and lists the
+    ones whose bytes changed.  No changed file: the same name as every time before.  A note
+    is a few bytes, one per such event; none is removed, so no old name comes back missing.
     """
     found = changed_chunks(Path(run_dir))
     digest = hashlib.sha256(json.dumps(found).encode()).hexdigest()[:16]

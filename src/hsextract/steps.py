@@ -152,7 +152,7 @@ def preflight_budget(sm: Any) -> None:
     chunks = read_index(Path(sm.input.index))["chunks"]
     # Only what will be written counts: a rerun of one chunk of a 5 TB run needs one
     # chunk's space, not the run's.
-    # rehash=False: a chunk written to since its extraction counts (plan_chunks hashes it).
+    # No hashing here: plan_chunks re-hashes a chunk written to since its extraction.
     states = chunk_states(run_dir(cfg), Path(sm.input.index), fingerprint(cfg), rehash=False)
     todo = [c for c, s in zip(chunks, states, strict=True) if not s.current]
     geo = model_geometry(cfg)
@@ -427,7 +427,7 @@ def launch_server(sm: Any) -> None:
     _export_api_key(cfg)
     spec = server.build_spec(cfg, run_dir=rd, log_path=rd / "logs" / "server.log")
     checked = check_sglang_command(cfg, spec.argv) if cfg.engine == "sglang" else {}
-    # rehash=False: a chunk written to since its extraction counts (plan_chunks hashes it).
+    # No hashing here: plan_chunks re-hashes a chunk written to since its extraction.
     states = chunk_states(rd, Path(sm.input.index), fingerprint(cfg), rehash=False)
     todo = [s.chunk for s in states if not s.current]
     if todo and getattr(sm.params, "per_node", False):
