@@ -218,6 +218,28 @@ def test_dataset_checks_each_chunk_once_and_refuses_changed_bytes(demo_copy, mon
     assert calls.count("chunk_00000.safetensors") == 1
 
 
+def test_dataset_blames_a_stale_manifest_not_a_good_chunk(demo_copy):
+    """Issue 38 item 7: a chunk re-extracted after the manifest was written (its sidecar's
+    sha256 is its bytes', the manifest's is older) is not called damaged: the advice is
+    the command that rebuilds the manifest, not a redo that reproduces the state."""
+    from hsextract.chunkfile import ChunkDigestError
+    from hsextract.chunks import ManifestDataset
+
+    rd = demo_copy["run_dir"]
+    path = rd / "manifest.json"
+    data = json.loads(path.read_text())
+    data["chunks"][1]["sha256"] = "0" * 64  # what the manifest said before the redo
+    path.write_text(json.dumps(data))
+    ds = ManifestDataset(path)
+    n0 = data["chunks"][0]["records"]
+    with pytest.raises(ChunkDigestError) as err:
+        ds[n0]
+    msg = str(err.value)
+    assert "the manifest is stale, not the chunk" in msg and "\n" not in msg
+    assert msg.endswith("rebuild it with `snakemake -j1 extract_all`"), msg
+    assert str(rd / "hidden" / "chunk_00001.safetensors") in msg
+
+
 def _set(data: dict, key: str, fn) -> None:
     node = data
     parts = key.split(".")
