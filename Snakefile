@@ -39,6 +39,7 @@ localrules:
     gpu_gate,
     launch_server,
     plan_chunks,
+    note_changed_chunks,
     manifest,
     report_figures,  # reads state files only; a CPU allocation for it is a queue wait
 
@@ -60,6 +61,9 @@ rule extract_all:
         merged=[run_path("merged/train.jsonl"), run_path("merged/stats.json")],
         index=run_path("chunks/index.json"),
         settings=settings_files(),
+        # Names the chunk files written to since their extraction (plan.changed_note): a new
+        # name is missing here, so the plan reruns and redoes those whose bytes changed.
+        changed=lambda wildcards: changed_note(RUN),
         # Plain paths, not the rule reference itself: a `rules.X.output` input makes Snakemake
         # hash this rule's whole input list once per input (rules.py, expand_input), which
         # made `snakemake -n` quadratic: 355 s vs 38 s bare at 51,200 chunks (bench/README).

@@ -127,8 +127,8 @@ def per_core(fn, data: list, nbytes: int, repeat: int = 3) -> float:
     return nbytes / best / 1e9
 
 
-def write_run(states: torch.Tensor, lengths: list[int], codec: str, path: Path) -> None:
-    """One chunk file of records cut from ``states`` (rows reused cyclically)."""
+def write_run(states: torch.Tensor, lengths: list[int], codec: str, path: Path) -> str:
+    """One chunk file of records cut from ``states`` (rows reused cyclically); its sha256."""
     t, layers, h = states.shape
     k = layers - 1
     meta = {
@@ -147,7 +147,7 @@ def write_run(states: torch.Tensor, lengths: list[int], codec: str, path: Path) 
         x = states[rows]
         aux = x[:, :k].reshape(n, k * h)
         w.put(j, torch.zeros(n, dtype=torch.int32), torch.ones(n), x[:, k].contiguous(), aux)
-    w.finish()
+    return w.finish()
 
 
 def sizes_and_speed(name: str, x: torch.Tensor, tmp: Path) -> dict:
@@ -250,8 +250,9 @@ def random_access(x: torch.Tensor, tmp: Path, gb: float) -> dict:
         chunks = []
         for c in range(4):
             p = d / f"chunk_{c:05d}.safetensors"
-            write_run(x, lengths[c::4], codec, p)
-            chunks.append({"path": p.name})
+            sha = write_run(x, lengths[c::4], codec, p)
+            # What the dataset needs of a manifest: it checks each file's sha256 on first read.
+            chunks.append({"path": p.name, "sha256": sha, "records": len(lengths[c::4])})
         (d / "manifest.json").write_text(json.dumps({"chunks": chunks}))
         on_disk = sum(p.stat().st_size for p in d.glob("*.safetensors"))
         for cache in ("warm", "cold"):

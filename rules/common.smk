@@ -1,3 +1,4 @@
+import functools
 import hashlib
 import json
 import os
@@ -125,6 +126,15 @@ def demo_shards():
 
 def input_shards(wildcards=None):
     return config_input_shards(CFG)
+
+
+@functools.cache
+def changed_note(run):
+    """Once per process (extract_all and plan_chunks both ask): a stat of every chunk file
+    and sidecar, and the same name however often the DAG is re-evaluated."""
+    from hsextract.plan import changed_note as note
+
+    return note(run)
 
 
 def chunk_inputs(wildcards):

@@ -8,11 +8,20 @@
 # update_needrun) skips evaluating a job that lies downstream of a job still to run, and
 # then does not schedule it if every edge on the way is an existing ancient() file, so a
 # chunk whose records changed would silently be kept (tests/test_reruns.py checks this).
+#
+# A chunk file written to after its extraction (a flipped byte, a touch) changes nothing
+# Snakemake compares, so `changed` names it: a stat of each chunk and sidecar gives the set
+# of chunk files newer than their sidecar, and its digest the file's name (plan.changed_note).
+# (extract_chunk lists the chunk before its sidecar: Snakemake touches a job's outputs in
+# that order when it ends, so a chunk as its job left it is never newer than its sidecar.)
+# A new set is a missing input, the plan reruns, re-hashes just those and lists the ones
+# whose bytes changed.
 checkpoint plan_chunks:
     input:
         index=run_path("chunks/index.json"),
         stats=run_path("merged/stats.json"),
         server=run_path("state/server.json"),
+        changed=lambda wildcards: changed_note(RUN),
     output:
         plan=run_path("state/plan.json"),
     log:
@@ -23,6 +32,19 @@ checkpoint plan_chunks:
         "../envs/hsextract.yaml"
     script:
         "../scripts/plan_chunks.py"
+
+
+rule note_changed_chunks:
+    output:
+        note=run_path("state/changed/{digest}.json"),
+    log:
+        run_path("logs/note_changed_chunks/{digest}.log"),
+    wildcard_constraints:
+        digest=r"[0-9a-f]{16}",
+    conda:
+        "../envs/hsextract.yaml"
+    script:
+        "../scripts/note_changed_chunks.py"
 
 
 # Upstream inputs through ancient(): a relaunched server or a re-stamped state file never

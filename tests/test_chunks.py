@@ -318,3 +318,78 @@ def test_a_small_chunk_starts_no_sync_thread(tmp_path, monkeypatch):
     assert set(threading.enumerate()) <= threads and w._sync_pool is None
     w.finish()
     assert counting.fds == [] and check_chunk(path, expect_records=3)["tokens"] == 15
+
+
+def _flip_sites(path) -> dict[str, int]:
+    """Byte positions of a written chunk, one per part of the file a reader trusts: the
+    header's length, its metadata, its tensor table, and each stored tensor's bytes."""
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    head = data[: 8 + n]
+    sites = {
+        "header length": 0,
+        "metadata (record_ids)": head.index(b'\\"a\\"') + 2,  # the id "a" -> "`"
+        "metadata (hidden_size)": head.index(b'"hidden_size":"8"') + len('"hidden_size":"'),
+        "tensor table (offsets)": head.index(b'"data_offsets":[') + len('"data_offsets":['),
+        "last byte": len(data) - 1,
+    }
+    for name, t in header.items():
+        a, b = t.get("data_offsets", (0, 0)) if name != "__metadata__" else (0, 0)
+        if b > a:
+            sites[f"tensor {name}"] = 8 + n + (a + b) // 2
+    return sites
+
+
+@pytest.mark.parametrize("codec", ["none", "lossless", "fp8"])
+def test_reader_refuses_a_flipped_byte_anywhere(tmp_path, codec):
+    """Issue 38 item 8: ChunkReader checks the sha256 its sidecar recorded (or the one it
+    is given) when it opens, so no flipped byte -- header, frame table, states -- yields
+    records; the error names the file and how to redo it, and the file is left alone."""
+    from hsextract.chunkfile import ChunkDigestError
+
+    path = tmp_path / "chunk_00000.safetensors"
+    meta = dict(META, dtype="bfloat16")
+    w = ChunkWriter(
+        path, [5, 1, 9], hidden_size=8, n_aux=3, dtype=torch.bfloat16, metadata=meta, codec=codec
+    )
+    for j, r in enumerate(records(torch.bfloat16)):
+        w.put(j, *r)
+    digest = w.finish()
+    path.with_suffix(".json").write_text(json.dumps({"path": path.name, "sha256": digest}))
+    good = [r["hidden_states"] for r in ChunkReader(path)]  # intact: checked and read
+    sites = _flip_sites(path)
+    if codec == "lossless":
+        assert "tensor frames" in sites and "tensor blob" in sites
+    assert len(sites) >= 9, sites
+    data = path.read_bytes()
+    missed = {}
+    for i, (where, at) in enumerate(sites.items()):
+        # A file of its own per flip (the hash is cached per file while it is unchanged).
+        bad = tmp_path / f"chunk_{i + 1:05d}.safetensors"
+        flipped = bytearray(data)
+        flipped[at] ^= 0x01
+        bad.write_bytes(bytes(flipped))
+        bad.with_suffix(".json").write_text(json.dumps({"path": bad.name, "sha256": digest}))
+        try:
+            got = [r["hidden_states"] for r in ChunkReader(bad)]
+            missed[where] = "read" if all(map(torch.equal, got, good)) else "altered tensors"
+        except ChunkDigestError as exc:
+            msg = str(exc)
+            assert msg.startswith(f"{bad} has sha256 ") and f"not the {digest[:12]}" in msg
+            assert f"rerun `snakemake -j1 {bad}`" in msg and "\n" not in msg
+        except Exception as exc:  # noqa: BLE001 - any other error is a miss too
+            missed[where] = f"{type(exc).__name__}: {exc}"
+        assert bad.read_bytes() == bytes(flipped)  # never repaired or deleted
+    assert not missed, missed
+    assert ChunkReader(path).sha256 == digest
+
+    # No sidecar: the digest given is checked; without either, nothing is (documented).
+    bare = tmp_path / "copy.safetensors"
+    flipped = bytearray(data)
+    flipped[sites["tensor input_ids"]] ^= 0x01
+    bare.write_bytes(bytes(flipped))
+    with pytest.raises(ChunkDigestError, match="has sha256"):
+        ChunkReader(bare, expected_sha256=digest)
+    assert ChunkReader(bare).sha256 is None
+    assert ChunkReader(bad, verify=False).sha256 is None  # the exports hash as they read

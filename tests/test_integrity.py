@@ -12,6 +12,7 @@ import copy
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -79,6 +80,7 @@ def hsextract(*args: str) -> subprocess.CompletedProcess:
 def test_specforge_export_refuses_a_chunk_whose_bytes_changed(demo_copy):
     """One flipped byte that still decodes: refused naming the file, both digests and the
     fix, no traceback, the chunk file left alone and none of its records' files kept."""
+    from hsextract.chunkfile import ChunkDigestError
     from hsextract.chunks import ChunkReader
 
     rd = demo_copy["run_dir"]
@@ -86,8 +88,10 @@ def test_specforge_export_refuses_a_chunk_whose_bytes_changed(demo_copy):
     expected = demo_copy["manifest"]["chunks"][1]["sha256"]
     flip_a_state_byte(victim)
     actual = sha(victim)
-    reader = ChunkReader(victim)
+    reader = ChunkReader(victim, verify=False)
     assert len([reader[j] for j in range(len(reader))]) == len(reader)  # silent to decoding
+    with pytest.raises(ChunkDigestError, match=re.escape(f"{victim} has sha256 {actual[:12]}")):
+        ChunkReader(victim)  # its sidecar's sha256, checked at open
 
     res = hsextract("export", "specforge", "--manifest", str(rd / "manifest.json"))
     assert res.returncode == 1, res.stdout + res.stderr
@@ -220,6 +224,28 @@ def test_dataset_checks_each_chunk_once_and_refuses_changed_bytes(demo_copy, mon
         ds[n0 + 1]  # a failed check is not cached as passed
     ManifestDataset(rd / "manifest.json")[0]  # another dataset, same process: no rehash
     assert calls.count("chunk_00000.safetensors") == 1
+
+
+def test_dataset_blames_a_stale_manifest_not_a_good_chunk(demo_copy):
+    """Issue 38 item 7: a chunk re-extracted after the manifest was written (its sidecar's
+    sha256 is its bytes', the manifest's is older) is not called damaged: the advice is
+    the command that rebuilds the manifest, not a redo that reproduces the state."""
+    from hsextract.chunkfile import ChunkDigestError
+    from hsextract.chunks import ManifestDataset
+
+    rd = demo_copy["run_dir"]
+    path = rd / "manifest.json"
+    data = json.loads(path.read_text())
+    data["chunks"][1]["sha256"] = "0" * 64  # what the manifest said before the redo
+    path.write_text(json.dumps(data))
+    ds = ManifestDataset(path)
+    n0 = data["chunks"][0]["records"]
+    with pytest.raises(ChunkDigestError) as err:
+        ds[n0]
+    msg = str(err.value)
+    assert "the manifest is stale, not the chunk" in msg and "\n" not in msg
+    assert msg.endswith("rebuild it with `snakemake -j1 extract_all`"), msg
+    assert str(rd / "hidden" / "chunk_00001.safetensors") in msg
 
 
 def _set(data: dict, key: str, fn) -> None:

@@ -199,6 +199,61 @@ def _pieces(d: Path) -> dict[str, int]:
     return out
 
 
+def test_redoing_one_chunk_with_other_bytes_updates_the_manifest(demo_copy):
+    """Issue 38 item 7: a chunk redone by its file target with a setting that changes its
+    bytes (chunked prefill: other float sums) leaves a consistent run: the manifest lists
+    the new sha256 and totals, verify passes, the dataset reads every record."""
+    from hsextract.chunks import ManifestDataset
+
+    workdir, rd = demo_copy["workdir"], demo_copy["run_dir"]
+    victim = rd / "hidden" / "chunk_00001.safetensors"
+    old = manifest_shas(rd)["hidden/chunk_00001.safetensors"]
+    set_config(workdir, **{"server.chunked_prefill_size": 64})
+    victim.unlink()
+    run_snakemake(workdir, "-j1", str(victim.relative_to(workdir)))
+    new = sha256_file(victim)
+    assert new != old  # the scenario: other bytes (else the manifest is trivially right)
+    assert manifest_shas(rd)["hidden/chunk_00001.safetensors"] == new
+    manifest = json.loads((rd / "manifest.json").read_text())
+    assert manifest["totals"]["bytes"] == sum(c["bytes"] for c in manifest["chunks"])
+    assert manifest["totals"]["bytes"] == sum(
+        f.stat().st_size for f in (rd / "hidden").glob("chunk_*.safetensors")
+    )
+    ok = verify(rd)
+    assert ok.returncode == 0, ok.stdout
+    ds = ManifestDataset(rd / "manifest.json")
+    assert len([ds[i] for i in range(len(ds))]) == manifest["totals"]["records"]
+
+
+def test_extract_all_redoes_a_chunk_whose_bytes_changed(demo_copy):
+    """Issue 38 item 7: a chunk file written to after its extraction is re-hashed by the
+    plan (it is newer than its sidecar) and redone if its bytes changed; one only touched
+    keeps its bytes and is not redone, and the next plan has nothing to do."""
+    workdir, rd = demo_copy["workdir"], demo_copy["run_dir"]
+    before = stamps(rd)
+    changed = rd / "hidden" / "chunk_00002.safetensors"
+    data = bytearray(changed.read_bytes())
+    data[len(data) // 2] ^= 0x01  # same size
+    changed.write_bytes(bytes(data))
+    touched = rd / "hidden" / "chunk_00000.safetensors"
+    os.utime(touched)  # newer than its sidecar, same bytes
+    assert sha256_file(changed) != before[changed.name][0]
+
+    res = run_snakemake(workdir, "-j1", "extract_all")
+    out = res.stdout + res.stderr
+    assert "1 of 4 chunk(s) to extract, 3 current" in res.stderr, out
+    assert "chunk_00002: its bytes changed since extraction" in res.stderr
+    assert out.count("localrule extract_chunk:") == 1
+    after = stamps(rd)
+    assert after[changed.name][0] == before[changed.name][0]  # re-extracted: the same bytes
+    assert {c: after[c][0] for c in after} == {c: before[c][0] for c in before}
+    assert "chunk_00000:" not in res.stderr  # touched, not redone: its bytes were hashed
+    assert touched.stat().st_mtime_ns <= touched.with_suffix(".json").stat().st_mtime_ns
+    ok = verify(rd)
+    assert ok.returncode == 0, ok.stdout
+    assert "Nothing to be done" in run_snakemake(workdir, "-n", "extract_all").stdout
+
+
 def test_stale_deletion_never_touches_a_live_foreign_or_older_run(tmp_path, monkeypatch):
     """Two output roots with one fingerprint, one mid-extraction; a live second run in the
     same root; a run dir an older hsextract wrote.

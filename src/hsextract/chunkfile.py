@@ -50,6 +50,27 @@ class ChunkFileError(HsextractError):
 class ChunkDigestError(ChunkFileError):
     """A chunk file's bytes are not the ones hashed when it was extracted."""
 
+    # The message first and alone positional: a DataLoader worker re-raises an error in
+    # the main process as ``type(exc)(message)``.
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | os.PathLike[str] = "",
+        expected: str = "",
+        actual: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.path, self.expected, self.actual = Path(path), expected, actual
+
+    @classmethod
+    def of(cls, path: str | os.PathLike[str], expected: str, actual: str) -> ChunkDigestError:
+        """The error for ``path`` hashing to ``actual``, not ``expected`` (its sentence:
+        :func:`digest_mismatch`)."""
+        return cls(
+            digest_mismatch(path, expected, actual), path=path, expected=expected, actual=actual
+        )
+
 
 def sha256_file(
     path: str | os.PathLike[str], bufsize: int = 16 << 20, stop: threading.Event | None = None
@@ -126,7 +147,7 @@ class ChunkHasher:
                 f"{redo_chunk(self.path)}"
             )
         if self._digest != self.expected:
-            raise ChunkDigestError(digest_mismatch(self.path, self.expected, self._digest))
+            raise ChunkDigestError.of(self.path, self.expected, self._digest)
 
     def cancel(self) -> None:
         self._stop.set()
@@ -164,7 +185,7 @@ def verify_chunk_file(path: str | os.PathLike[str], expected: str) -> None:
     except OSError as exc:
         raise ChunkFileError(f"{path} is unreadable ({exc}); {redo_chunk(path)}") from exc
     if digest != expected:
-        raise ChunkDigestError(digest_mismatch(path, expected, digest))
+        raise ChunkDigestError.of(path, expected, digest)
     _VERIFIED.add(key)
 
 

@@ -31,6 +31,7 @@ import torch
 from hsextract import faults, storage
 from hsextract.chunkfile import (  # noqa: F401 - re-exported: the structural half
     _STORED,
+    ChunkDigestError,
     ChunkFileError,
     check_chunk,
     sha256_file,
@@ -597,6 +598,20 @@ class _OrderedBlob:
         return self.end
 
 
+def _sidecar_sha256(path: Path) -> str | None:
+    """The sha256 the chunk's sidecar recorded at extraction, or None when there is no
+    sidecar of this file: a ``.json`` that is not one (not a JSON object naming this file
+    with a ``sha256``) is some other file, never an error."""
+    try:
+        meta = json.loads(path.with_suffix(".json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or meta.get("path") != path.name:
+        return None
+    sha = meta.get("sha256")
+    return sha if isinstance(sha, str) and sha else None
+
+
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ST_TO_TORCH = {v: k for k, v in _ST_DTYPES.items()}
 
@@ -607,12 +622,36 @@ class ChunkReader:
     Uncompressed rows are sliced lazily from safetensors' mmap; lossless frames are
     decoded from this reader's own read-only mapping; fp8 rows are dequantized to the
     captured dtype.  Every codec gives the same tensors, dtypes and shapes.
+
+    Its bytes are checked when the reader opens, whenever their sha256 is known:
+    ``expected_sha256`` if given, else the ``sha256`` of the chunk's sidecar (the
+    ``.json`` of the same name next to it, which names this file) -- the digest taken when
+    it was extracted.  Why at open: a flipped byte in the states still decodes (other
+    numbers, no error), and one in the header changes record ids or shapes, so nothing
+    read from a file is trusted before its hash is.  The whole file is hashed once, streamed
+    from a read-only mapping (:func:`~hsextract.chunkfile.verify_chunk_file`: once per file
+    and process while it is unchanged, so reopening costs nothing), and a mismatch raises
+    :class:`~hsextract.chunkfile.ChunkDigestError` naming the file and how to redo it.  A
+    file with no sidecar and no ``expected_sha256`` is not checked; ``verify=False`` skips
+    the check (for callers that hash alongside their own reads, like the exports).
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        expected_sha256: str | None = None,
+        *,
+        verify: bool = True,
+    ) -> None:
         from safetensors import safe_open
 
         self.path = Path(path)
+        #: The sha256 the file was checked against at open (None: not checked).
+        self.sha256: str | None = None
+        if verify:
+            self.sha256 = expected_sha256 or _sidecar_sha256(self.path)
+            if self.sha256 is not None:
+                verify_chunk_file(self.path, self.sha256)
         try:
             self._f = safe_open(str(self.path), framework="pt")
         except Exception as exc:
@@ -743,30 +782,58 @@ class ChunkReader:
 class ManifestDataset(torch.utils.data.Dataset):
     """A torch Dataset over every record of every chunk in a manifest (lazy, mmap-backed).
 
-    Each chunk file's bytes are checked against the manifest's sha256 when a record of it
-    is first read (:func:`~hsextract.chunkfile.verify_chunk_file`: once per file and
-    process), so a damaged chunk fails naming itself instead of training on bad states;
-    not at construction, which would read a multi-TB run before the first step.
+    Each chunk file is opened, and its bytes checked against the manifest's sha256, when a
+    record of it is first read (a :class:`ChunkReader` given ``expected_sha256``: one hash
+    per file and process), so a damaged chunk fails naming itself instead of training on
+    bad states; not at construction, which would read a multi-TB run before the first
+    step.  A chunk re-extracted after the manifest was written (its sidecar's sha256 is its
+    bytes', the manifest's is not) is told apart: the manifest is stale, not the chunk.
     """
 
     def __init__(self, manifest: str | os.PathLike[str]) -> None:
         self.manifest_path = Path(manifest)
         data = json.loads(self.manifest_path.read_text())
         root = self.manifest_path.parent
-        self.readers = [ChunkReader(root / c["path"]) for c in data["chunks"]]
+        self.paths = [root / c["path"] for c in data["chunks"]]
         self.sha256: list[str] = [str(c["sha256"]) for c in data["chunks"]]
-        self._checked = [False] * len(self.readers)
-        self.index = [(ci, j) for ci, r in enumerate(self.readers) for j in range(len(r))]
+        self.records: list[int] = [int(c["records"]) for c in data["chunks"]]
+        self.readers: list[ChunkReader | None] = [None] * len(self.paths)
+        self.index = [(ci, j) for ci, n in enumerate(self.records) for j in range(n)]
 
     def __len__(self) -> int:
         return len(self.index)
 
+    def reader(self, ci: int) -> ChunkReader:
+        """Chunk ``ci``'s reader, opened (and its bytes checked) on first use."""
+        r = self.readers[ci]
+        if r is None:
+            path = self.paths[ci]
+            try:
+                r = ChunkReader(path, self.sha256[ci])
+            except ChunkDigestError as exc:
+                if _sidecar_sha256(path) != exc.actual:
+                    raise
+                raise ChunkDigestError(
+                    f"{self.manifest_path} lists {path} with sha256 {exc.expected[:12]}..., "
+                    f"but the chunk was re-extracted since (its sidecar's sha256 "
+                    f"{exc.actual[:12]}... is its bytes'): the manifest is stale, not the "
+                    f"chunk; rebuild it with `{_run_all(self.manifest_path)}`",
+                    path=path,
+                    expected=exc.expected,
+                    actual=exc.actual,
+                ) from None
+            if len(r) != self.records[ci]:
+                raise ChunkFileError(
+                    f"{path} holds {len(r)} records, {self.manifest_path} lists "
+                    f"{self.records[ci]}: rebuild the manifest with "
+                    f"`{_run_all(self.manifest_path)}`"
+                )
+            self.readers[ci] = r
+        return r
+
     def __getitem__(self, i: int) -> dict[str, torch.Tensor | str]:
         ci, j = self.index[i]
-        if not self._checked[ci]:
-            verify_chunk_file(self.readers[ci].path, self.sha256[ci])
-            self._checked[ci] = True
-        return self.readers[ci][j]
+        return self.reader(ci)[j]
 
 
 def content_digest_of(path: str | os.PathLike[str]) -> str:
@@ -778,7 +845,7 @@ def content_digest_of(path: str | os.PathLike[str]) -> str:
     """
     from hsextract.records import content_digest, record_digest
 
-    r = ChunkReader(path)
+    r = ChunkReader(path, verify=False)  # its callers check the bytes (once, their way)
     ids = r._f.get_tensor("input_ids").numpy()
     mask = r._f.get_tensor("loss_mask").numpy()
     off = r.offsets.tolist()
@@ -793,7 +860,7 @@ def content_digest_of(path: str | os.PathLike[str]) -> str:
 
 
 def inspect_text(path: str | os.PathLike[str]) -> str:
-    r = ChunkReader(path)
+    r = ChunkReader(path, verify=False)  # shows a damaged file too: `verify` judges it
     lines = [f"{path}", f"  records: {len(r)}  tokens: {int(r.offsets[-1])}"]
     raw, stored = r.raw_bytes(), r.stored_bytes()
     ratio = f"{raw / stored:.3f}x smaller" if stored else "empty"
@@ -825,3 +892,10 @@ def inspect_text(path: str | os.PathLike[str]) -> str:
             continue
         lines.append(f"  {key}: {value}")
     return "\n".join(lines)
+
+
+def _run_all(manifest: Path) -> str:
+    """The command that rebuilds ``manifest``, as it works pasted here (hsextract.commands)."""
+    from hsextract.commands import snakemake_command
+
+    return snakemake_command("extract_all", run_dir=Path(manifest).parent)

@@ -150,7 +150,7 @@ def _server(args: argparse.Namespace) -> int:
         # Owned by $HSEXTRACT_OWNER_PID when set (a workflow, a test); else it runs until
         # `server stop`: the shell that ran this may end the next moment (a script).
         state = ensure_server(cfg, detached=server.inherited_owner() is None)
-        stop = _same_config_command(args, "hsextract server stop")
+        stop = hsextract_command("server", "stop")
         owner = state.get("owner_pid")
         lives = (
             f"until process {owner} (its owner) ends, or `{stop}`" if owner else f"until `{stop}`"
@@ -160,19 +160,6 @@ def _server(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         return 0
     raise AssertionError(args.action)
-
-
-def _same_config_command(args: argparse.Namespace, command: str) -> str:
-    """``command`` with the config arguments this one was given, quoted for a shell: a
-    command printed for the user works as printed, on the same run."""
-    import shlex
-
-    words = [command]
-    if args.configfile:
-        words += ["--configfile", *map(shlex.quote, args.configfile)]
-    if args.config:
-        words += ["--config", *map(shlex.quote, args.config)]
-    return " ".join(words)
 
 
 def _inspect(args: argparse.Namespace) -> int:

@@ -768,6 +768,9 @@ def _extract_chunk(
         "path": Path(out_path).name,
         "records": check["records"],
         "tokens": check["tokens"],
+        # A file of another size, or newer than this sidecar (written after it; no mtime is
+        # recorded: Snakemake touches a job's outputs once it ends, this sidecar last), is
+        # re-hashed by the next plan and redone if its bytes changed (plan.chunk_states).
         "bytes": os.path.getsize(out_path),
         "codec": check["codec"],
         "states_raw_bytes": check["raw_bytes"],

@@ -10,8 +10,12 @@ digest of the lines of train.jsonl the index points at.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -57,56 +61,7 @@ def build_manifest(
         )
     fp = fingerprint(cfg)
     codec = storage_codec(cfg)
-    chunks = []
-    for sc in sidecars:
-        meta = json.loads(Path(sc).read_text())
-        path = Path(sc).with_name(meta["path"])
-        name = meta["chunk"]
-        if not path.exists():
-            raise ManifestError(f"{path} is missing though its sidecar {sc} exists: {_redo(path)}")
-        size = path.stat().st_size
-        if size != meta["bytes"]:
-            raise ManifestError(
-                f"chunk {name}: {path} is {size} bytes on disk, its sidecar says "
-                f"{meta['bytes']}: the file changed after extraction; {_redo(path)}"
-            )
-        try:
-            info = check_chunk(path, expect_records=meta["records"])
-        except ChunkFileError as exc:
-            raise ManifestError(f"chunk {name}: {exc}; {_redo(path)}") from exc
-        entry = entries.get(name)
-        file_meta = info["metadata"]
-        file_digest = file_meta.get("content_digest")
-        problem = None
-        if entry is None:
-            problem = f"{index} lists no chunk {name}"
-        elif meta.get("fingerprint") != fp or file_meta.get("fingerprint") != fp:
-            problem = f"it was extracted for fingerprint {file_meta.get('fingerprint')}, not {fp}"
-        elif not (meta.get("content_digest") == file_digest == entry["content_digest"]):
-            problem = (
-                f"it holds records with content digest {str(file_digest)[:12]}... (sidecar "
-                f"{str(meta.get('content_digest'))[:12]}...), but {index} assigns it "
-                f"{entry['content_digest'][:12]}...: stale hidden states of other data"
-            )
-        elif meta["records"] != entry["records"]:
-            problem = f"{meta['records']} records, the index says {entry['records']}"
-        elif info["codec"] != codec:  # never mix fp8 (lossy) with exact chunks silently
-            problem = f"it is stored with codec {info['codec']}, storage.codec is {codec}"
-        if problem:
-            raise ManifestError(f"chunk {name}: {problem}; {_redo(path)}")
-        chunks.append(
-            {
-                "chunk": name,
-                "path": str(path.relative_to(root)),
-                "sha256": meta["sha256"],
-                "content_digest": entry["content_digest"],
-                "records": meta["records"],
-                "tokens": meta["tokens"],
-                "bytes": size,
-                "codec": info["codec"],
-                "states_raw_bytes": info["raw_bytes"],
-            }
-        )
+    chunks = [_chunk_entry(Path(sc), entries, index, fp, codec, root) for sc in sidecars]
     first = json.loads(Path(sidecars[0]).read_text()) if sidecars else {}
     manifest = {
         "format_version": "1",
@@ -117,13 +72,7 @@ def build_manifest(
         "aux_layers": first.get("aux_layers"),
         "max_seq_len": cfg.max_seq_len,
         "codec": codec,
-        "totals": {
-            "chunks": len(chunks),
-            "records": sum(c["records"] for c in chunks),
-            "tokens": sum(c["tokens"] for c in chunks),
-            "bytes": sum(c["bytes"] for c in chunks),
-            "states_raw_bytes": sum(c["states_raw_bytes"] for c in chunks),
-        },
+        "totals": _sums(chunks),
         "merge_stats": str(Path(stats).relative_to(root))
         if Path(stats).is_relative_to(root)
         else str(stats),
@@ -137,8 +86,138 @@ def build_manifest(
         "config": public_config(cfg),
         "chunks": chunks,
     }
-    write_json(out, manifest)
+    with manifest_lock(out):
+        write_json(out, manifest)
     return manifest
+
+
+def _chunk_entry(
+    sc: Path, entries: dict[str, dict], index: Path, fp: str, codec: str, root: Path
+) -> dict:
+    """A chunk's manifest entry, from its sidecar and file header, once both agree with
+    each other, the index and the config (:class:`ManifestError` naming what does not)."""
+    meta = json.loads(Path(sc).read_text())
+    path = Path(sc).with_name(meta["path"])
+    name = meta["chunk"]
+    if not path.exists():
+        raise ManifestError(f"{path} is missing though its sidecar {sc} exists: {_redo(path)}")
+    size = path.stat().st_size
+    if size != meta["bytes"]:
+        raise ManifestError(
+            f"chunk {name}: {path} is {size} bytes on disk, its sidecar says "
+            f"{meta['bytes']}: the file changed after extraction; {_redo(path)}"
+        )
+    try:
+        info = check_chunk(path, expect_records=meta["records"])
+    except ChunkFileError as exc:
+        raise ManifestError(f"chunk {name}: {exc}; {_redo(path)}") from exc
+    entry = entries.get(name)
+    file_meta = info["metadata"]
+    file_digest = file_meta.get("content_digest")
+    problem = None
+    if entry is None:
+        problem = f"{index} lists no chunk {name}"
+    elif meta.get("fingerprint") != fp or file_meta.get("fingerprint") != fp:
+        problem = f"it was extracted for fingerprint {file_meta.get('fingerprint')}, not {fp}"
+    elif not (meta.get("content_digest") == file_digest == entry["content_digest"]):
+        problem = (
+            f"it holds records with content digest {str(file_digest)[:12]}... (sidecar "
+            f"{str(meta.get('content_digest'))[:12]}...), but {index} assigns it "
+            f"{entry['content_digest'][:12]}...: stale hidden states of other data"
+        )
+    elif meta["records"] != entry["records"]:
+        problem = f"{meta['records']} records, the index says {entry['records']}"
+    elif info["codec"] != codec:  # never mix fp8 (lossy) with exact chunks silently
+        problem = f"it is stored with codec {info['codec']}, storage.codec is {codec}"
+    if problem:
+        raise ManifestError(f"chunk {name}: {problem}; {_redo(path)}")
+    return {
+        "chunk": name,
+        "path": str(path.relative_to(root)),
+        "sha256": meta["sha256"],
+        "content_digest": entry["content_digest"],
+        "records": meta["records"],
+        "tokens": meta["tokens"],
+        "bytes": size,
+        "codec": info["codec"],
+        "states_raw_bytes": info["raw_bytes"],
+    }
+
+
+def _sums(chunks: list[dict]) -> dict:
+    return {
+        "chunks": len(chunks),
+        "records": sum(c["records"] for c in chunks),
+        "tokens": sum(c["tokens"] for c in chunks),
+        "bytes": sum(c["bytes"] for c in chunks),
+        "states_raw_bytes": sum(c["states_raw_bytes"] for c in chunks),
+    }
+
+
+@contextmanager
+def manifest_lock(manifest: Path) -> Iterator[None]:
+    """Held while a run's manifest.json is written, or read and rewritten: the manifest job
+    and chunk jobs updating their entries (:func:`update_manifest_entry`, several at once
+    under ``-j N``) never lose each other's write.  An ``flock``: the kernel drops it with
+    a killed holder."""
+    lock = Path(manifest).parent / "state" / "manifest.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def update_manifest_entry(manifest: Path, sidecar: Path, *, index: Path, cfg: Config) -> str:
+    """After a chunk was (re-)extracted: its entry in an existing manifest follows it.
+
+    Why: ``snakemake -j1 <chunk file>`` redoes one chunk and not the manifest (nothing it
+    was asked for needs it), and a redo with other bytes (another
+    ``server.chunked_prefill_size``, an engine without deterministic inference) left the
+    manifest's sha256 stale: every reader then refused the good chunk, advising the very
+    redo that made the state.  So the chunk job rewrites its own entry (and the totals),
+    checked as :func:`build_manifest` checks it, atomically and under
+    :func:`manifest_lock`, so the run is consistent again at once.
+
+    Only where the manifest describes this run's data as it is now (same fingerprint,
+    codec and train.jsonl, an entry for this chunk with the same records): a manifest of
+    other data is the manifest job's to rebuild (``extract_all``), and it is left alone.
+    Returns what was done, one sentence for the job's log.
+    """
+    manifest = Path(manifest)
+    run_all = snakemake_command("extract_all", run_dir=manifest.parent)
+    if not manifest.exists():
+        return f"no {manifest} yet: `{run_all}` writes it"
+    rebuild = f"left for `{run_all}` to rebuild {manifest}"
+    with manifest_lock(manifest):
+        data = json.loads(manifest.read_text())
+        idx = read_index(index)
+        entries = {Path(e["path"]).stem: e for e in idx["chunks"]}
+        fp, codec = fingerprint(cfg), storage_codec(cfg)
+        new = _chunk_entry(Path(sidecar), entries, index, fp, codec, manifest.parent)
+        chunks = data.get("chunks") or []
+        pos = next((i for i, c in enumerate(chunks) if c.get("chunk") == new["chunk"]), None)
+        same_run = (
+            data.get("fingerprint") == fp
+            and data.get("codec") == codec
+            and (data.get("data") or {}).get("train_sha256") == idx["source_sha256"]
+        )
+        if not same_run or pos is None:
+            return f"{manifest} is of other data or settings than this chunk: {rebuild}"
+        old = chunks[pos]
+        if old.get("content_digest") != new["content_digest"]:
+            return f"{manifest} lists other records for {new['chunk']}: {rebuild}"
+        if old == new:
+            return f"{new['chunk']}'s entry in {manifest} is unchanged"
+        chunks[pos] = new
+        data["totals"] = _sums(chunks)
+        write_json(manifest, data)
+    return (
+        f"{new['chunk']}'s entry in {manifest} updated: sha256 {str(old.get('sha256'))[:12]}... "
+        f"-> {new['sha256'][:12]}..."
+    )
 
 
 def _train_digests(train: Path, entries: list[dict]) -> tuple[dict[str, str], list[str]]:
@@ -473,7 +552,7 @@ def _decode_problems(f: Path, name: str) -> list[str]:
     from hsextract.chunks import ChunkReader
 
     try:
-        reader = ChunkReader(f)
+        reader = ChunkReader(f, verify=False)  # verify_manifest hashed it already
         if reader.codec == "none":
             return []
         check_chunk(f)

@@ -3,8 +3,11 @@
 A chunk file is current when its sidecar says it holds exactly the records that
 ``chunks/index.json`` now assigns to that chunk (same content digest, see
 :func:`hsextract.records.record_digest`), for this run's fingerprint, and the file on disk
-is the size the sidecar recorded.  Everything else (missing, records changed, another
-fingerprint, a file cut short) is re-extracted; nothing current is touched.
+is the bytes the sidecar recorded: the same size, and -- when it is newer than its sidecar,
+i.e. written to after its extraction -- the same sha256.  Everything else (missing,
+records changed, another fingerprint, a file cut short or altered) is re-extracted;
+nothing current is touched.  Only files whose size or mtime says they changed are hashed,
+so planning 10k+ chunks stays a stat per file.
 
 Snakemake decides what to run from file times, before the merge and split have run, so it
 cannot know which chunks a data change touches.  ``plan_chunks`` is therefore a checkpoint:
@@ -16,6 +19,8 @@ depends on.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import re
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hsextract.chunkfile import sha256_file
 from hsextract.commands import snakemake_command
 from hsextract.config import Config, chunk_count
 from hsextract.errors import HsextractError
@@ -96,22 +102,43 @@ class ChunkState:
     reason: str
 
 
-def chunk_states(run_dir: Path, index_path: Path, fingerprint: str) -> list[ChunkState]:
-    """Each indexed chunk: is its hidden-state file current, and if not, why not."""
+def chunk_states(
+    run_dir: Path, index_path: Path, fingerprint: str, *, rehash: bool = True, restamp: bool = False
+) -> list[ChunkState]:
+    """Each indexed chunk: is its hidden-state file current, and if not, why not.
+
+    A chunk file newer than its sidecar was written to after its extraction: with
+    ``rehash`` it is hashed, and current only if its bytes are still the sidecar's sha256;
+    without (``hsextract status``, the server's start, the space check: they must stay
+    cheap) it counts as current, as before: plan_chunks decides, and a chunk job that then
+    needs a server starts it (``ensure()``).  A restored run whose sidecars got new mtimes
+    is not all redo in a status.  With ``restamp``
+    (plan_chunks), one whose bytes are unchanged (touched, copied without its times) gets
+    its sidecar's mtime, as a chunk job leaves it, so that no later plan hashes it again.
+    """
     index = read_index(index_path)
     hidden = Path(run_dir) / "hidden"
     out = []
     for entry in index["chunks"]:
         name = Path(entry["path"]).stem
-        out.append(_state(hidden, name, entry, fingerprint))
+        out.append(_state(hidden, name, entry, fingerprint, rehash, restamp))
     return out
 
 
-def _state(hidden: Path, name: str, entry: dict[str, Any], fingerprint: str) -> ChunkState:
+def _state(
+    hidden: Path,
+    name: str,
+    entry: dict[str, Any],
+    fingerprint: str,
+    rehash: bool = True,
+    restamp: bool = False,
+) -> ChunkState:
     data, sidecar = hidden / f"{name}.safetensors", hidden / f"{name}.json"
     try:
         meta = json.loads(sidecar.read_text())
-        size = data.stat().st_size
+        st = data.stat()
+        size = st.st_size
+        sidecar_mtime = sidecar.stat().st_mtime_ns
     except FileNotFoundError:
         return ChunkState(name, False, "not extracted yet")
     except (OSError, ValueError) as exc:
@@ -130,7 +157,92 @@ def _state(hidden: Path, name: str, entry: dict[str, Any], fingerprint: str) -> 
         return ChunkState(
             name, False, f"file is {size} bytes, its sidecar says {meta.get('bytes')}"
         )
+    if st.st_mtime_ns > sidecar_mtime:
+        return _rehashed(data, st, meta, sidecar_mtime, rehash, restamp)
     return ChunkState(name, True, "current")
+
+
+def _rehashed(
+    data: Path, st: os.stat_result, meta: dict, sidecar_mtime: int, rehash: bool, restamp: bool
+) -> ChunkState:
+    """A chunk file written to after its sidecar: current only if its bytes are the ones
+    extracted (the sidecar's sha256)."""
+    name = data.stem
+    if not rehash:
+        return ChunkState(name, True, "current unless its bytes changed (the plan re-hashes it)")
+    try:
+        actual = sha256_file(data)
+    except OSError as exc:
+        return ChunkState(name, False, f"unreadable chunk file ({exc})")
+    recorded = str(meta.get("sha256"))
+    if actual != recorded:
+        return ChunkState(
+            name,
+            False,
+            f"its bytes changed since extraction (sha256 {actual[:12]}..., its sidecar "
+            f"says {recorded[:12]}...)",
+        )
+    if restamp and not data.is_symlink():
+        # As the chunk job left it (Snakemake touches its outputs, the sidecar last): not
+        # newer than its sidecar, so the scan for changed chunks passes it by.  A file we
+        # may not stamp (another owner's copy) is only hashed again by the next plan.
+        with contextlib.suppress(OSError):
+            os.utime(data, ns=(st.st_atime_ns, sidecar_mtime))
+    return ChunkState(name, True, "current (written to after its extraction, same bytes)")
+
+
+def changed_chunks(run_dir: Path) -> list[tuple[str, int, int]]:
+    """Chunk files newer than their sidecar (name, size, mtime_ns): a stat of each file of
+    hidden/, no sidecar read, since this runs while Snakemake plans (:func:`changed_note`).
+
+    A chunk job writes its file, then its sidecar, and Snakemake touches both when the job
+    ends, in the rule's order (the sidecar last); a chunk file newer than its sidecar was
+    written to since (a byte flipped in place, a touch, a copy over it).
+    """
+    try:
+        with os.scandir(Path(run_dir) / "hidden") as entries:
+            found = {e.name: e for e in entries}
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    out = []
+    for fname, e in found.items():
+        m = _CHUNK_RE.fullmatch(fname)
+        side = found.get(f"chunk_{m.group(1)}.json") if m and m.group(2) == "safetensors" else None
+        if side is None:
+            continue  # no sidecar: the chunk job's output is missing, Snakemake redoes it
+        try:
+            st, side_st = e.stat(), side.stat()
+        except FileNotFoundError:
+            continue
+        if st.st_mtime_ns > side_st.st_mtime_ns:
+            out.append((fname, st.st_size, st.st_mtime_ns))
+    return sorted(out)
+
+
+def changed_note(run_dir: Path) -> str:
+    """The plan's trigger for chunk files changed since extraction:
+    ``state/changed/<digest>.json``, named by :func:`changed_chunks`.
+
+    Why a name: nothing Snakemake compares changes when a chunk's bytes do (the chunk job's
+    inputs are ancient, its sidecar is untouched), so ``extract_all`` said "Nothing to be
+    done".  A new set of changed files is a new name, a missing input of extract_all (the
+    target: Snakemake makes only a target's missing inputs) and of plan_chunks; its rule
+    (note_changed_chunks) writes it, the plan reruns, re-hashes those files and lists the
+    ones whose bytes changed.  No changed file: the same name as every time before.  A note
+    is a few bytes, one per such event; none is removed, so no old name comes back missing.
+    """
+    found = changed_chunks(Path(run_dir))
+    digest = hashlib.sha256(json.dumps(found).encode()).hexdigest()[:16]
+    return str(Path(run_dir) / "state" / "changed" / f"{digest}.json")
+
+
+def note_changed(run_dir: Path, out: Path) -> list[tuple[str, int, int]]:
+    """Write a changed-chunks note (:func:`changed_note`): what it found, for the curious."""
+    from hsextract.server import write_json
+
+    found = changed_chunks(Path(run_dir))
+    write_json(Path(out), {"newer_than_their_sidecar": [list(f) for f in found]})
+    return found
 
 
 def remove_orphans(run_dir: Path, n_chunks: int) -> list[dict[str, Any]]:
@@ -155,7 +267,7 @@ def make_plan(run_dir: Path, index_path: Path, fingerprint: str, out: Path) -> d
     """Write ``state/plan.json``: the chunks to extract and why, the ones kept."""
     from hsextract.server import write_json
 
-    states = chunk_states(run_dir, index_path, fingerprint)
+    states = chunk_states(run_dir, index_path, fingerprint, restamp=True)
     n = len(states)
     orphans = remove_orphans(run_dir, n)
     todo = [s for s in states if not s.current]

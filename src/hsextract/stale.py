@@ -103,6 +103,9 @@ def claim_run(run_dir: Path, owner_pid: int | None = None) -> Path:
 def _in_use_sentence(run_dir: Path, other: dict[str, Any]) -> str:
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(other["since"]))
     where = f" (started in {other['cwd']})" if other.get("cwd") else ""
+    from hsextract.commands import hsextract_command
+
+    status = hsextract_command("status", run_dir=run_dir)
     gone = (
         f"; if no workflow runs there any more, remove {other['path']}"
         if other["host"] != socket.gethostname()
@@ -111,7 +114,7 @@ def _in_use_sentence(run_dir: Path, other: dict[str, Any]) -> str:
     return (
         f"run dir {os.path.abspath(run_dir)} is in use by another workflow: pid "
         f"{other['pid']} on host {other['host']}, since {since}{where}; one workflow per "
-        "run dir at a time, so wait for it to end (`hsextract status` shows how far it "
+        f"run dir at a time, so wait for it to end (`{status}` shows how far it "
         f"is) or stop it, then run this again{gone}"
     )
 

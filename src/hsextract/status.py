@@ -246,7 +246,7 @@ def collect(
         tokens_total: int | None = sum(int(e.get("tokens", 0)) for e in index["chunks"])
         names = [Path(e["path"]).stem for e in index["chunks"]]
         tokens_of = {Path(e["path"]).stem: int(e.get("tokens", 0)) for e in index["chunks"]}
-        for state in chunk_states(rd, index_path, fp):
+        for state in chunk_states(rd, index_path, fp, rehash=False):  # a status never hashes
             if not state.current:
                 continue
             done.add(state.chunk)
@@ -312,7 +312,8 @@ def _newest(
             message=(
                 f"interrupted: its job (pid {f.pid} on {f.host}) ended after {f.tokens_done:,} "
                 f"of {total} tokens without finishing or logging an error (killed: kill -9, "
-                "the OOM killer, a preemption?); the next `snakemake -j1 extract_all` redoes it"
+                "the OOM killer, a preemption?); the next "
+                f"`{snakemake_command('extract_all', run_dir=hidden.parent)}` redoes it"
             ),
             log=str(progress_path(hidden / f"{f.chunk}.safetensors")),
             at=f.updated_at,

@@ -194,7 +194,8 @@ def preflight_budget(sm: Any) -> None:
     chunks = read_index(Path(sm.input.index))["chunks"]
     # Only what will be written counts: a rerun of one chunk of a 5 TB run needs one
     # chunk's space, not the run's.
-    states = chunk_states(run_dir(cfg), Path(sm.input.index), fingerprint(cfg))
+    # No hashing here: plan_chunks re-hashes a chunk written to since its extraction.
+    states = chunk_states(run_dir(cfg), Path(sm.input.index), fingerprint(cfg), rehash=False)
     todo = [c for c, s in zip(chunks, states, strict=True) if not s.current]
     geo = model_geometry(cfg)
     report = preflight(
@@ -470,9 +471,9 @@ def launch_server(sm: Any) -> None:
     _export_api_key(cfg)
     spec = server.build_spec(cfg, run_dir=rd, log_path=rd / "logs" / "server.log")
     checked = check_sglang_command(cfg, spec.argv) if cfg.engine == "sglang" else {}
-    todo = [
-        s.chunk for s in chunk_states(rd, Path(sm.input.index), fingerprint(cfg)) if not s.current
-    ]
+    # No hashing here: plan_chunks re-hashes a chunk written to since its extraction.
+    states = chunk_states(rd, Path(sm.input.index), fingerprint(cfg), rehash=False)
+    todo = [s.chunk for s in states if not s.current]
     if todo and getattr(sm.params, "per_node", False):
         state = {
             "started": False,
@@ -496,6 +497,13 @@ def launch_server(sm: Any) -> None:
     state = {**state, "chunks_to_extract": len(todo), "command_check": checked}
     server.write_json(Path(sm.output.state), state)
     write_settings(Path(sm.output.settings), sm.params.settings)
+
+
+def note_changed_chunks(sm: Any) -> None:
+    from hsextract.plan import note_changed
+
+    found = note_changed(run_dir(typed(sm.config)), Path(sm.output.note))
+    log.info("chunk files written to after their extraction: %s", found or "none")
 
 
 def plan_chunks(sm: Any) -> None:
@@ -543,6 +551,29 @@ def extract_chunk(sm: Any) -> None:
         f"hsextract [{sidecar['chunk']}]: {sidecar['records']} records, {sidecar['tokens']} "
         f"tokens in {sidecar['seconds']:.1f}s ({sidecar['tokens_per_s']:.0f} tok/s)\n"
     )
+    _follow_in_manifest(cfg, Path(sm.output.sidecar), Path(sm.input.index), sidecar["chunk"])
+
+
+def _follow_in_manifest(cfg: Config, sidecar: Path, index: Path, name: str) -> None:
+    """The manifest's entry follows the chunk just written (manifest.update_manifest_entry).
+
+    Never fails the job: the chunk is good, and Snakemake would delete a failed job's
+    outputs.  What kept the entry from following is said, with the command that rebuilds
+    the manifest (readers name it too, for a manifest left stale).
+    """
+    from hsextract.errors import HsextractError
+    from hsextract.manifest import update_manifest_entry
+
+    manifest = run_dir(cfg) / "manifest.json"
+    try:
+        log.info("%s", update_manifest_entry(manifest, sidecar, index=index, cfg=cfg))
+    except (HsextractError, OSError, ValueError, KeyError) as exc:
+        from hsextract.commands import snakemake_command
+
+        run_all = snakemake_command("extract_all", run_dir=Path(manifest).parent)
+        msg = f"{manifest} not updated for {name} ({exc}); rebuild it with `{run_all}`"
+        log.warning("%s", msg)
+        sys.__stderr__.write(f"hsextract [{name}]: {msg}\n")
 
 
 def _stream_gate(cfg: Config, sm: Any):
