@@ -1,0 +1,239 @@
+"""The trainers' own code reads a run in progress under a budget (issue 39, item 6).
+
+Chunks are written with the real ChunkWriter and passed through the real gate and journal
+by a producer thread (as tests/test_stream.py does), so no workflow runs; the consumers
+are speculators' and SpecForge's own classes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from hsextract.stream import gate, journal
+from tests.test_stream import H, K, announce, write_chunk
+
+N_CHUNKS, RECORDS, TOKENS = 10, 4, 300
+V = 1000 * N_CHUNKS  # write_chunk's token ids are chunk x 1000 + record
+
+
+def _bytes_per_token(tmp: Path) -> int:
+    """A like chunk's bytes per token, from a scratch copy (the gate's estimate)."""
+    side = write_chunk(tmp, 0, RECORDS, tokens=TOKENS, prenorm=True)
+    return (tmp / side["path"]).stat().st_size // side["tokens"] + 1
+
+
+class Producer(threading.Thread):
+    """The workflow's side: each chunk passes the budget gate, is written, announced."""
+
+    def __init__(self, run_dir: Path, ss: gate.StreamSettings, bpt: int) -> None:
+        super().__init__(daemon=True)
+        self.run_dir, self.ss, self.bpt = run_dir, ss, bpt
+        self.error: BaseException | None = None
+        self.peak = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        try:
+            tok = RECORDS * TOKENS
+            for i in range(N_CHUNKS):
+                if self.stop.is_set():
+                    return
+                gate.wait_for_room(self.run_dir, self.ss, chunk=f"chunk_{i:05d}", tokens=tok,
+                                   raw_bytes_per_token=self.bpt, largest_tokens=tok,
+                                   run_tokens=N_CHUNKS * tok)  # fmt: skip
+                side = write_chunk(self.run_dir, i, RECORDS, tokens=TOKENS, prenorm=True)
+                announce(self.run_dir, side, N_CHUNKS)
+                gate.release(self.run_dir, side["chunk"])
+                self.sample()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            self.error = exc
+
+    def sample(self) -> None:
+        info = gate.summary(self.run_dir, budget_bytes=self.ss.budget_bytes)
+        self.peak = max(self.peak, info["unacked_bytes"])
+
+
+def _settings(bpt: int) -> gate.StreamSettings:
+    """Room for the trainer's window (1 rank x 2 open chunks + 1 between checkpoints + 1
+    being written) and not much more: well under the run's bytes, so the producer waits."""
+    est = RECORDS * TOKENS * bpt
+    return gate.StreamSettings(budget_bytes=int(4.5 * est), low_mark=0.75, trainer_ranks=1,
+                               prefetch_chunks=2, checkpoint_chunks=1, poll_s=0.05)  # fmt: skip
+
+
+def all_keys() -> Counter:
+    return Counter((i, j) for i in range(N_CHUNKS) for j in range(RECORDS))
+
+
+# -- speculators ----------------------------------------------------------------------
+
+
+def tiny_eagle3():
+    """speculators' own EAGLE-3 draft model, tiny, eager attention (CPU)."""
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators.models.eagle3.core import Eagle3DraftModel
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import LlamaConfig
+
+    tl = LlamaConfig(hidden_size=H, intermediate_size=8, num_hidden_layers=1,
+                     num_attention_heads=1, num_key_value_heads=1, vocab_size=V,
+                     max_position_embeddings=64)  # fmt: skip
+    tl._attn_implementation = "eager"
+    cfg = Eagle3SpeculatorConfig(
+        transformer_layer_config=tl, draft_vocab_size=V, norm_before_residual=True,
+        eagle_aux_hidden_state_layer_ids=[1, 2, 3],
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3", default_proposal_method="greedy",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=2)],
+            verifier=VerifierConfig.from_config(tl, name_or_path=None)),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Eagle3DraftModel(cfg)
+    with torch.no_grad():  # the constructor leaves weights uninitialised
+        for p in model.parameters():
+            p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+    return model
+
+
+def test_speculators_trains_from_a_run_in_progress_under_a_budget(tmp_path):
+    from speculators.losses import resolve_loss_config
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import CollateFn
+    from torch.utils.data import DataLoader
+
+    from hsextract.stream.speculators import StreamPackingSampler, StreamSpeculatorsDataset
+
+    run = tmp_path / "run"
+    bpt = _bytes_per_token(tmp_path / "scratch")
+    ss = _settings(bpt)
+    producer = Producer(run, ss, bpt)
+    max_len = 2 * TOKENS  # two records a batch
+    ds = StreamSpeculatorsDataset(run, max_len, hidden_states_dtype=torch.float32)
+    sampler = StreamPackingSampler(run, max_len, seed=1, timeout_s=60)
+    dl = DataLoader(ds, batch_sampler=sampler, collate_fn=CollateFn(
+        max_len, H, K, dtype=torch.float32, preprocess=shift_batch))  # fmt: skip
+    model = tiny_eagle3()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss_cfg = resolve_loss_config("kl_div", "eager")
+    acker = journal.AckWriter(run)
+    losses, acked = [], []
+    producer.start()
+    try:
+        for step, batch in enumerate(dl, 1):
+            _, loss, _ = model(**batch, ttt_steps=2, ttt_step_loss_decay=1.0,
+                               loss_config=loss_cfg)  # fmt: skip
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+            producer.sample()
+            if step % 2 == 0:  # a checkpoint every 2 steps, then its ack
+                torch.save(model.state_dict(), tmp_path / "ckpt.pt")
+                seqs = [s for s in sampler.covered_seqs(step) if s not in acked]
+                acker.ack(seqs, step=step)
+                acked += seqs
+        acker.ack([s for s in sampler.covered_seqs(step) if s not in acked], step=step)
+    finally:
+        producer.stop.set()
+        journal.AckWriter(run).ack(list(range(N_CHUNKS)))  # unblock a waiting producer
+        producer.join(60)
+    assert producer.error is None, producer.error
+    # 10 chunks x 4 records of 300 tokens, 2 records a batch: every record once.
+    assert step == N_CHUNKS * RECORDS // 2
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] != losses[0]
+    assert producer.peak <= ss.budget_bytes < N_CHUNKS * RECORDS * TOKENS * bpt
+    assert sorted(acked) == list(range(N_CHUNKS - 1))  # the last one at the end
+    assert gate.delete_acked(run, journal.read_state(run / "stream"), 1) is not None
+
+
+def test_the_packing_sampler_yields_every_record_once_on_every_rank(tmp_path):
+    from hsextract.stream.speculators import StreamPackingSampler
+
+    sizes = [3, 5, 1, 4]
+    for i, n in enumerate(sizes):
+        announce(tmp_path, write_chunk(tmp_path, i, n, tokens=2 + i, prenorm=True), len(sizes))
+    for world in (1, 2, 3):
+        per_rank = [list(StreamPackingSampler(tmp_path, 8, rank=r, world=world, seed=5,
+                                              timeout_s=60)) for r in range(world)]  # fmt: skip
+        assert len({len(b) for b in per_rank}) == 1, world  # lockstep: same batch count
+        got = Counter(k for batches in per_rank for b in batches for k in b)
+        assert got == Counter((i, j) for i, n in enumerate(sizes) for j in range(n)), world
+        for batches in per_rank:
+            assert all(sum(2 + i for i, _ in b) <= 8 for b in batches)
+    # covered_seqs(k): exactly the chunks whose every record is in the first k batches.
+    s = StreamPackingSampler(tmp_path, 8, seed=5, timeout_s=60)
+    batches = list(s)
+    for k in range(len(batches) + 1):
+        have = Counter(i for b in batches[:k] for i, _ in b)
+        assert s.covered_seqs(k) == [i for i, n in enumerate(sizes) if have[i] == n], k
+    assert s.covered_seqs(len(batches)) == [0, 1, 2, 3] and s.covered_seqs(0) == []
+    assert 0 < len(s.covered_seqs(len(batches) - 1)) < 4  # some, not all, before the end
+
+
+def test_speculators_own_random_sampler_is_refused_in_one_sentence(tmp_path):
+    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+
+    from hsextract.stream.speculators import StreamSpeculatorsDataset
+
+    announce(tmp_path, write_chunk(tmp_path, 0, 2, prenorm=True), 1)
+    ds = StreamSpeculatorsDataset(tmp_path, 8, hidden_states_dtype=torch.float32)
+    stock = MultipackDistributedBatchSamplerV2(8, [3, 3], num_replicas=1, rank=0)
+    with pytest.raises(journal.StreamError) as e:
+        ds[next(iter(stock))[0]]
+    msg = str(e.value)
+    assert "random order" in msg and "StreamPackingSampler" in msg and "\n" not in msg
+    assert ds[(0, 1)]["hidden_states"].shape == (3, K * H)
+
+
+# -- SpecForge ------------------------------------------------------------------------
+
+
+def test_specforge_loader_trains_from_a_run_in_progress_under_a_budget(tmp_path):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from hsextract.stream.reader import consumed_seqs
+    from hsextract.stream.specforge import SpecForgeCollator, SpecForgeStreamDataset
+
+    run = tmp_path / "run"
+    bpt = _bytes_per_token(tmp_path / "scratch")
+    ss = _settings(bpt)
+    producer = Producer(run, ss, bpt)
+    ds = SpecForgeStreamDataset(run, max_len=64, seed=2, timeout_s=60)
+    dl = StatefulDataLoader(ds, batch_size=2, num_workers=0, collate_fn=SpecForgeCollator())
+    torch.manual_seed(0)
+    head = torch.nn.Linear(K * H, H)  # aux states -> the final state, as EAGLE-3's fc
+    opt = torch.optim.SGD(head.parameters(), lr=1e-3)
+    acker = journal.AckWriter(run)
+    seen: list[str] = []
+    acked: set[int] = set()
+    producer.start()
+    try:
+        for step, batch in enumerate(dl, 1):
+            # SpecForge's names: aux layers as hidden_state, the final state as target.
+            assert batch["hidden_state"].shape[-1] == K * H and batch["target"].shape[-1] == H
+            assert int(batch["loss_mask"][:, -1].sum()) == 0  # process_data's last mask
+            mask = batch["loss_mask"].unsqueeze(-1).float()
+            loss = (((head(batch["hidden_state"]) - batch["target"]) ** 2) * mask).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            seen += [i for i, p in zip(batch["id"], batch["pad"], strict=True) if not p]
+            producer.sample()
+            state = dl.state_dict()  # the checkpoint's loader state, then its ack
+            new = set(consumed_seqs(run, state, rank=0, world=1)) - acked
+            acker.ack(new, step=step)
+            acked |= new
+    finally:
+        producer.stop.set()
+        journal.AckWriter(run).ack(list(range(N_CHUNKS)))
+        producer.join(60)
+    assert producer.error is None, producer.error
+    assert Counter(seen) == Counter(f"r{i}-{j}" for i, j in all_keys())
+    assert producer.peak <= ss.budget_bytes < N_CHUNKS * RECORDS * TOKENS * bpt
+    assert acked == set(range(N_CHUNKS))
