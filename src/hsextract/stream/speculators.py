@@ -31,7 +31,10 @@ from __future__ import annotations
 
 import os
 import random
+import time
+from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +109,17 @@ class StreamSpeculatorsDataset(BaseDataset):
                                        "verifier_last_hidden_states", "loss_mask")}  # fmt: skip
 
 
+@dataclass
+class _Group:
+    """One chunk's packing: its journal index, the pass's batch count before it, its
+    batches (per batch, per rank, the keys) and the records it carried out."""
+
+    index: int
+    start: int
+    batches: list[list[list[Key]]]
+    carry_out: list[tuple[Key, int]]
+
+
 class StreamPackingSampler(Sampler[list[Key]]):
     """speculators' length packing over the chunks as they are announced (see the module
     docstring); one instance per rank, the same ``seed`` on every rank."""
@@ -131,6 +145,8 @@ class StreamPackingSampler(Sampler[list[Key]]):
         self.poll_s, self.timeout_s = poll_s, timeout_s
         self.epoch = 0
         self._complete: list[tuple[int, int]] = []  # (batches yielded, seq) as seqs finish
+        self._groups: list[_Group] = []  # the packing groups since the last state_dict
+        self._resume: dict[str, Any] | None = None
 
     def set_epoch(self, epoch: int) -> None:
         """speculators' Trainer calls this each epoch; epoch e reads pass e + 1."""
@@ -149,8 +165,6 @@ class StreamPackingSampler(Sampler[list[Key]]):
         return [seq for n, seq in self._complete if n <= batches]
 
     def _wait(self, i: int) -> tuple[list[dict], bool]:
-        import time
-
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         seen = None
         while True:
@@ -164,45 +178,84 @@ class StreamPackingSampler(Sampler[list[Key]]):
                 )
             seen = _wait_change(stream_dir(self.run_dir) / JOURNAL, seen, self.poll_s)
 
+    def state_dict(self, batches: int) -> dict[str, Any]:
+        """What a checkpoint taken after ``batches`` steps of this pass holds to resume:
+        the packed batches left of the chunk group it was in (every rank's) and the records
+        carried out of it, with their lengths.  So a resumed sampler reads no chunk that
+        was packed before (those the checkpoint covers may be acked and deleted by then),
+        and every rank resumes from rank 0's state."""
+        while len(self._groups) > 1 and self._groups[1].start <= batches:
+            self._groups.pop(0)  # a checkpoint never goes back before one already taken
+        if not self._groups:
+            return {"epoch": self.epoch, "at": batches, "next": 0, "rest": [], "carry": []}
+        g = self._groups[0]
+        return {"epoch": self.epoch, "at": batches, "next": g.index + 1,
+                "rest": [[[list(k) for k in r] for r in b]
+                         for b in g.batches[batches - g.start:]],
+                "carry": [[k[0], k[1], n] for k, n in g.carry_out]}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: the next ``__iter__`` yields exactly the batches
+        an uninterrupted pass would have yielded after that point."""
+        self.epoch = int(state["epoch"])
+        self._resume = state
+
     def __iter__(self) -> Iterator[list[Key]]:
-        self._complete = []
-        carry: list[tuple[Key, int]] = []  # (key, length) left by the packer
-        owed: dict[int, int] = {}  # seq -> its records not yet in a batch
-        yielded = 0
-        i = 0
+        resume, self._resume = self._resume, None
+        if resume is not None and int(resume["epoch"]) != self.epoch:
+            resume = None  # set_epoch moved on: a new pass starts at its beginning
+        self._complete, self._groups = [], []
+        owed: dict[int, int] = {}
+        yielded, i = 0, 0
+        carry: list[tuple[Key, int]] = []
+        if resume is not None:
+            yielded, i = int(resume["at"]), int(resume["next"])
+            carry = [((int(a), int(b)), int(n)) for a, b, n in resume["carry"]]
+            rest = [[[(int(a), int(b)) for a, b in r] for r in bt] for bt in resume["rest"]]
+            owed = dict(Counter(k[0] for bt in rest for r in bt for k in r))
+            owed.update((k, v + owed.get(k, 0)) for k, v in Counter(k[0] for k, _ in carry).items())
+            for bt in rest:
+                yielded += 1
+                self._settle(owed, [k for r in bt for k in r], yielded)
+                yield bt[self.rank]
         while True:
             lines, _ = self._wait(i)
             if i >= len(lines):
                 break
             line = lines[i]
-            i += 1
             seq = int(line["seq"])
-            reader = ChunkReader(self.run_dir / line["path"])  # lengths only: the header
-            lens = (reader.offsets[1:] - reader.offsets[:-1]).tolist()
-            del reader
             order = list(range(int(line["records"])))
             random.Random(_seed_of(self.seed, self.epoch, seq)).shuffle(order)
-            pending = carry + [((seq, j), int(lens[j])) for j in order]
+            lens = self._lengths(line)
+            pending = carry + [((seq, j), lens[j]) for j in order]
             owed[seq] = len(order)
             lengths = np.minimum(np.array([n for _, n in pending]), self.batch_max_length)
             per_rank = [
                 _assign_to_packed_batches(lengths, self.batch_max_length, r, self.world)
                 for r in range(self.world)
             ]
-            placed: set[int] = set()
-            for b, mine in enumerate(per_rank[self.rank]):
-                for r in range(self.world):
-                    placed.update(int(x) for x in per_rank[r][b])
-                yield [pending[int(x)][0] for x in mine]
+            batches = [[[pending[int(x)][0] for x in per_rank[r][b]] for r in range(self.world)]
+                       for b in range(len(per_rank[0]))]  # fmt: skip
+            placed = {k for bt in batches for r in bt for k in r}
+            carry = [p for p in pending if p[0] not in placed]
+            self._groups.append(_Group(i, yielded, batches, carry))
+            i += 1
+            for bt in batches:
                 yielded += 1
-                self._settle(owed, [pending[int(x)][0] for r in range(self.world)
-                                    for x in per_rank[r][b]], yielded)  # fmt: skip
-            carry = [p for k, p in enumerate(pending) if k not in placed]
+                # Recorded before the batch goes out (tagged with its number), so
+                # covered_seqs(n) is complete as soon as the n-th batch was handed out.
+                self._settle(owed, [k for r in bt for k in r], yielded)
+                yield bt[self.rank]
         if carry:  # fewer than `world` records: one each, the rest an empty batch
-            mine = [carry[self.rank][0]] if self.rank < len(carry) else []
-            yield mine
             yielded += 1
             self._settle(owed, [k for k, _ in carry], yielded)
+            yield [carry[self.rank][0]] if self.rank < len(carry) else []
+
+    def _lengths(self, line: dict) -> list[int]:
+        """A chunk's record lengths, from its header (the dataset checks its sha256 before
+        yielding a record of it)."""
+        reader = ChunkReader(self.run_dir / line["path"])
+        return [int(n) for n in (reader.offsets[1:] - reader.offsets[:-1]).tolist()]
 
     def _settle(self, owed: dict[int, int], keys: list[Key], yielded: int) -> None:
         for seq, _ in keys:
