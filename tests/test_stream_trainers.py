@@ -18,7 +18,7 @@ from hsextract.stream import gate, journal
 from tests.test_stream import H, K, announce, write_chunk
 
 N_CHUNKS, RECORDS, TOKENS = 10, 4, 300
-V = 1000 * N_CHUNKS  # write_chunk's token ids are chunk x 1000 + record
+V = 64  # the tiny models' vocabulary: write_chunk's ids (chunk x 1000 + record) mod V
 
 
 def _bytes_per_token(tmp: Path) -> int:
@@ -132,6 +132,7 @@ def test_speculators_trains_from_a_run_in_progress_under_a_budget(tmp_path):
         for step, batch in enumerate(dl, 1):
             if step == 1:
                 at_start = len(journal.read_state(run / "stream").chunks)
+            batch["input_ids"] %= V
             _, loss, _ = model(**batch, ttt_steps=2, ttt_step_loss_decay=1.0,
                                loss_config=loss_cfg)  # fmt: skip
             opt.zero_grad()
@@ -201,6 +202,20 @@ def test_speculators_own_random_sampler_is_refused_in_one_sentence(tmp_path):
 # -- SpecForge ------------------------------------------------------------------------
 
 
+def tiny_specforge_draft():
+    """SpecForge's own EAGLE-3 draft model (LlamaForCausalLMEagle3), tiny, and a fixed
+    random target head standing in for the target model's lm_head."""
+    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=H, intermediate_size=8, num_hidden_layers=1,
+                      num_attention_heads=1, num_key_value_heads=1, head_dim=H,
+                      vocab_size=V, max_position_embeddings=2 * TOKENS)  # fmt: skip
+    cfg.draft_vocab_size = V
+    torch.manual_seed(0)
+    return LlamaForCausalLMEagle3(cfg, attention_backend="sdpa"), torch.nn.Linear(H, V)
+
+
 def test_specforge_loader_trains_from_a_run_in_progress_under_a_budget(tmp_path):
     from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -213,11 +228,11 @@ def test_specforge_loader_trains_from_a_run_in_progress_under_a_budget(tmp_path)
     producer = Producer(run, ss, bpt)
     ds = SpecForgeStreamDataset(run, max_len=64, seed=2, timeout_s=60)
     dl = StatefulDataLoader(ds, batch_size=2, num_workers=0, collate_fn=SpecForgeCollator())
-    torch.manual_seed(0)
-    head = torch.nn.Linear(K * H, H)  # aux states -> the final state, as EAGLE-3's fc
-    opt = torch.optim.SGD(head.parameters(), lr=1e-3)
+    draft, teacher = tiny_specforge_draft()
+    opt = torch.optim.AdamW(draft.parameters(), lr=1e-2)
     acker = journal.AckWriter(run)
     seen: list[str] = []
+    losses: list[float] = []
     acked: set[int] = set()
     producer.start()
     try:
@@ -227,11 +242,19 @@ def test_specforge_loader_trains_from_a_run_in_progress_under_a_budget(tmp_path)
             # SpecForge's names: aux layers as hidden_state, the final state as target.
             assert batch["hidden_state"].shape[-1] == K * H and batch["target"].shape[-1] == H
             assert int(batch["loss_mask"][:, -1].sum()) == 0  # process_data's last mask
-            mask = batch["loss_mask"].unsqueeze(-1).float()
-            loss = (((head(batch["hidden_state"]) - batch["target"]) ** 2) * mask).mean()
+            # One TTT step of SpecForge's draft model: its TTT loop (OnlineEagle3Model)
+            # imports triton, which a CPU machine lacks.
+            h = draft(batch["hidden_state"], draft.embed_input_ids(batch["input_ids"] % V),
+                      batch["attention_mask"])  # fmt: skip
+            logp = torch.log_softmax(draft.compute_logits(h), -1)
+            with torch.no_grad():  # the target's distribution, from its final state
+                p = torch.softmax(teacher(batch["target"]), -1)
+            mask = batch["loss_mask"].float()
+            loss = -((p * logp).sum(-1) * mask).sum() / mask.sum().clamp(min=1)
             opt.zero_grad()
             loss.backward()
             opt.step()
+            losses.append(float(loss))
             seen += [i for i, p in zip(batch["id"], batch["pad"], strict=True) if not p]
             producer.sample()
             state = dl.state_dict()  # the checkpoint's loader state, then its ack
@@ -247,6 +270,7 @@ def test_specforge_loader_trains_from_a_run_in_progress_under_a_budget(tmp_path)
     assert producer.peak <= ss.budget_bytes < N_CHUNKS * RECORDS * TOKENS * bpt
     assert at_start < N_CHUNKS and producer.waited  # a run in progress, held by the budget
     assert acked == set(range(N_CHUNKS))
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
 
 
 def test_the_packing_sampler_resumes_without_the_chunks_acked_before(tmp_path):

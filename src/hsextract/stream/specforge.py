@@ -1,15 +1,17 @@
 """SpecForge's offline loader fed from a run in progress (issue 39, item 6).
 
 SpecForge 0.2.0 trains offline from one ``torch.save`` file per record
-(``input_ids``, ``loss_mask``, ``hidden_state``, ``aux_hidden_state``) that its
-``OfflineEagle3Dataset`` turns into the draft model's inputs (``process_data``: truncate
-to ``max_len``, mask the last token, aux states as ``hidden_state``, the final state as
-``target``) and its ``DataCollatorWithPadding`` pads into batches.  Here the same two
-pieces of SpecForge's own code run on :class:`StreamDataset` samples (its ``specforge``
-layout is that file's content), so nothing is written per record and the stream's split,
-shuffle, sha256 check, padding of a short rank and resume (``StatefulDataLoader``) hold
-unchanged.  SpecForge's ``DistributedSampler`` over the whole set is not used: it draws
-from every record at once, which a budget cannot keep on disk.
+(``input_ids``, ``loss_mask``, ``hidden_state``, ``aux_hidden_state``) that its EAGLE-3
+algorithm turns into the draft model's inputs with its own factories
+(``specforge.algorithms.eagle3.data``: ``build_offline_normalizer`` -- truncate to
+``max_len``, mask the last token, aux states as ``hidden_state``, the final state as
+``target`` -- and ``build_offline_collator``, SpecForge's ``DataCollatorWithPadding``).
+Here those factories run on :class:`StreamDataset` samples (its ``specforge`` layout is
+that file's content), so nothing is written per record and the stream's split, shuffle,
+sha256 check, padding of a short rank and resume (``StatefulDataLoader``) hold unchanged.
+SpecForge's ``DistributedSampler`` over the whole set is not used: it draws from every
+record at once, which a budget cannot keep on disk.  USP (sequence-parallel) preprocessing
+is not wired: it needs SpecForge's process groups.
 """
 
 from __future__ import annotations
@@ -18,16 +20,15 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from specforge.data.preprocessing import OfflineEagle3Dataset
-from specforge.data.utils import DataCollatorWithPadding
+from specforge.algorithms.eagle3.data import build_offline_collator, build_offline_normalizer
 from torch.utils.data import IterableDataset
 
 from hsextract.stream.reader import StreamDataset
 
 
 class SpecForgeStreamDataset(IterableDataset):
-    """:class:`StreamDataset` (``layout="specforge"``) through SpecForge's own
-    ``OfflineEagle3Dataset.process_data``; ``pad`` and ``seq`` ride along for acks.
+    """:class:`StreamDataset` (``layout="specforge"``) through SpecForge's own EAGLE-3
+    offline normalizer; ``id``, ``seq`` and ``pad`` ride along (acks, bookkeeping).
 
     Stateful like the dataset it wraps (torchdata's protocol), so a
     ``StatefulDataLoader`` resumes it mid-pass; :func:`consumed_seqs` works on its state.
@@ -47,7 +48,7 @@ class SpecForgeStreamDataset(IterableDataset):
         self.stream = StreamDataset(run_dir, rank=rank, world=world, seed=seed,
                                     layout="specforge", epochs_mode=epochs_mode,
                                     timeout_s=timeout_s)  # fmt: skip
-        self.max_len = max_len
+        self.normalize = build_offline_normalizer(max_len)
 
     def state_dict(self) -> dict[str, int]:
         return self.stream.state_dict()
@@ -60,18 +61,18 @@ class SpecForgeStreamDataset(IterableDataset):
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for s in self.stream:
-            out = OfflineEagle3Dataset.process_data(s, self.max_len)
+            out = self.normalize(s)
             yield {**out, "pad": s["pad"], "seq": s["seq"], "id": s["id"]}
 
 
 class SpecForgeCollator:
-    """SpecForge's ``DataCollatorWithPadding`` on the tensors, the stream's bookkeeping
+    """SpecForge's EAGLE-3 offline collator on the tensors, the stream's bookkeeping
     (``id``, ``seq``, ``pad``) kept as lists beside them."""
 
     KEEP = ("id", "seq", "pad")
 
     def __init__(self) -> None:
-        self.inner = DataCollatorWithPadding()
+        self.inner = build_offline_collator()
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         tensors = [{k: v for k, v in f.items() if k not in self.KEEP} for f in features]
