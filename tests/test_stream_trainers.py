@@ -108,20 +108,20 @@ def tiny_eagle3():
 def test_speculators_trains_from_a_run_in_progress_under_a_budget(tmp_path):
     from speculators.losses import resolve_loss_config
     from speculators.models.eagle3.data import shift_batch
-    from speculators.train.data import CollateFn
-    from torch.utils.data import DataLoader
 
-    from hsextract.stream.speculators import StreamPackingSampler, StreamSpeculatorsDataset
+    from hsextract.stream.speculators import speculators_loader
 
     run = tmp_path / "run"
     bpt = _bytes_per_token(tmp_path / "scratch")
     ss = _settings(bpt)
     producer = Producer(run, ss, bpt)
     max_len = 2 * TOKENS  # two records a batch
-    ds = StreamSpeculatorsDataset(run, max_len, hidden_states_dtype=torch.float32)
-    sampler = StreamPackingSampler(run, max_len, seed=1, timeout_s=60)
-    dl = DataLoader(ds, batch_sampler=sampler, collate_fn=CollateFn(
-        max_len, H, K, dtype=torch.float32, preprocess=shift_batch))  # fmt: skip
+    # speculators' loader settings: its CollateFn, a spawned worker, prefetch (1 batch =
+    # half a chunk here, within the 2 chunks the window gives a rank).
+    dl = speculators_loader(run, max_len, H, num_target_layers=K, preprocess=shift_batch,
+                            hidden_states_dtype=torch.float32, num_workers=1,
+                            prefetch_factor=1, seed=1, timeout_s=60)  # fmt: skip
+    sampler = dl.batch_sampler
     model = tiny_eagle3()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loss_cfg = resolve_loss_config("kl_div", "eager")

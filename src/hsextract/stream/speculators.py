@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from speculators.train.data import BaseDataset
 from speculators.train.distributed_batch_sampler import _assign_to_packed_batches
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Sampler
 
 from hsextract.chunks import ChunkReader
 from hsextract.stream.journal import JOURNAL, StreamError, read_state, stream_dir
@@ -78,6 +78,10 @@ class StreamSpeculatorsDataset(BaseDataset):
         self._open: tuple[int, ChunkReader] | None = None  # one chunk open per process
         super().__init__(max_len, hidden_states_dtype)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A worker process opens its own chunk: a memory map does not pickle.
+        return {**self.__dict__, "_open": None}
+
     def _compute_approx_lengths(self) -> list[int]:
         # The whole set's lengths do not exist before it is extracted; the sampler reads
         # each chunk's lengths when the chunk is announced.
@@ -103,8 +107,7 @@ class StreamSpeculatorsDataset(BaseDataset):
                 raise StreamError(f"seq {seq} is not in {stream_dir(self.run_dir) / JOURNAL}")
             self._open = None  # drop the previous chunk's map before opening the next
             self._open = (seq, self._stream._open(line))  # sha256 checked first
-            self._chunk = line["chunk"]
-        sample = speculators_sample(self._open[1][j], self._chunk)
+        sample = speculators_sample(self._open[1][j], f"seq {seq}")
         return {k: sample[k] for k in ("hidden_states", "input_ids",
                                        "verifier_last_hidden_states", "loss_mask")}  # fmt: skip
 
@@ -262,3 +265,55 @@ class StreamPackingSampler(Sampler[list[Key]]):
             owed[seq] -= 1
             if owed[seq] == 0:
                 self._complete.append((yielded, seq))
+
+
+def speculators_loader(
+    run_dir: str | os.PathLike[str],
+    total_seq_len: int,
+    hidden_size: int,
+    *,
+    num_target_layers: int = 3,
+    hidden_states_dtype: torch.dtype = torch.bfloat16,
+    preprocess: Any = None,
+    num_workers: int = 0,
+    prefetch_factor: int | None = 4,
+    rank: int = 0,
+    world: int = 1,
+    seed: int = 0,
+    epochs_mode: str = "keep",
+    timeout_s: float | None = None,
+) -> DataLoader:
+    """speculators' training ``DataLoader`` as its ``_setup_dataloader`` builds it (its
+    ``CollateFn``, spawn workers, its worker init), over the stream: the dataset and the
+    batch sampler are this module's.  ``loader.batch_sampler`` is the
+    :class:`StreamPackingSampler` to ack and checkpoint with.
+
+    Window: every rank reads the same chunk (the packer splits each chunk's records over
+    the ranks), so ranks do not multiply it; the loader holds up to ``num_workers x
+    prefetch_factor`` batches ahead, which may span chunks: count them in
+    ``stream.prefetch_chunks``.
+    """
+    from speculators.train.data import CollateFn
+    from speculators.train.dataloader import _worker_init_fn
+
+    ds = StreamSpeculatorsDataset(run_dir, total_seq_len, hidden_states_dtype=hidden_states_dtype,
+                                  epochs_mode=epochs_mode)  # fmt: skip
+    sampler = StreamPackingSampler(run_dir, total_seq_len, rank=rank, world=world, seed=seed,
+                                   epochs_mode=epochs_mode, timeout_s=timeout_s)  # fmt: skip
+    workers = num_workers > 0
+    return DataLoader(
+        ds,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        prefetch_factor=prefetch_factor if workers else None,
+        collate_fn=CollateFn(
+            total_seq_len,
+            hidden_size,
+            num_target_layers=num_target_layers,
+            dtype=hidden_states_dtype,
+            preprocess=preprocess,
+        ),  # fmt: skip
+        persistent_workers=workers,
+        multiprocessing_context="spawn" if workers else None,
+        worker_init_fn=_worker_init_fn if workers else None,
+    )
