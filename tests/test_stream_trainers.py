@@ -182,6 +182,8 @@ def test_the_packing_sampler_yields_every_record_once_on_every_rank(tmp_path):
         assert s.covered_seqs(k) == [i for i, n in enumerate(sizes) if have[i] == n], k
     assert s.covered_seqs(len(batches)) == [0, 1, 2, 3] and s.covered_seqs(0) == []
     assert 0 < len(s.covered_seqs(len(batches) - 1)) < 4  # some, not all, before the end
+    # len(): an estimate from the tokens (no chunks/index.json here: those announced).
+    assert len(s) == -(-sum(n * (2 + i) for i, n in enumerate(sizes)) // 8)
 
 
 def test_speculators_own_random_sampler_is_refused_in_one_sentence(tmp_path):

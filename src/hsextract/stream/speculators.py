@@ -156,10 +156,17 @@ class StreamPackingSampler(Sampler[list[Key]]):
         self.epoch = epoch
 
     def __len__(self) -> int:
-        """An estimate until the pass has been read (speculators' Trainer sizes its LR
-        schedule by it): the run's planned tokens over one batch's tokens x ranks."""
-        lines, _ = _pass_lines(self.run_dir, self.epoch + 1, self.epochs_mode)
-        tokens = sum(int(c["tokens"]) for c in lines)
+        """An estimate (speculators' Trainer sizes its LR schedule and checkpoint interval
+        by it before the pass exists): the run's planned tokens (``chunks/index.json``, or
+        the chunks announced so far without one) over one step's tokens on all ranks."""
+        index = self.run_dir / "chunks" / "index.json"
+        if index.exists():
+            from hsextract.records import read_index
+
+            tokens = sum(int(e["tokens"]) for e in read_index(index)["chunks"])
+        else:
+            lines, _ = _pass_lines(self.run_dir, self.epoch + 1, self.epochs_mode)
+            tokens = sum(int(c["tokens"]) for c in lines)
         return max(1, -(-tokens // (self.batch_max_length * self.world)))
 
     def covered_seqs(self, batches: int) -> list[int]:
