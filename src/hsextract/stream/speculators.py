@@ -171,7 +171,9 @@ class StreamPackingSampler(Sampler[list[Key]]):
 
     def covered_seqs(self, batches: int) -> list[int]:
         """The chunks whose every record is in the first ``batches`` batches of the pass:
-        what a checkpoint after that many steps covers (rank independent)."""
+        what a checkpoint after that many steps covers (rank independent).  Ack them with
+        ``pass_=epoch + 1`` (with ``keep`` and several passes a chunk is freed only once
+        acked in the last)."""
         return [seq for n, seq in self._complete if n <= batches]
 
     def _wait(self, i: int) -> tuple[list[dict], bool]:
