@@ -75,12 +75,15 @@ class StreamSpeculatorsDataset(BaseDataset):
         self.run_dir = Path(run_dir)
         self.epochs_mode = epochs_mode
         self._stream = StreamDataset(run_dir, layout="raw", epochs_mode=epochs_mode)
-        self._open: tuple[int, ChunkReader] | None = None  # one chunk open per process
+        # Open chunks, newest last: two, since a chunk's packing group also holds the
+        # records carried from the one before, so batches alternate between them (each
+        # open checks the sha256, a whole read: not to be redone per batch).
+        self._open: dict[int, ChunkReader] = {}
         super().__init__(max_len, hidden_states_dtype)
 
     def __getstate__(self) -> dict[str, Any]:
         # A worker process opens its own chunk: a memory map does not pickle.
-        return {**self.__dict__, "_open": None}
+        return {**self.__dict__, "_open": {}}
 
     def _compute_approx_lengths(self) -> list[int]:
         # The whole set's lengths do not exist before it is extracted; the sampler reads
@@ -101,13 +104,14 @@ class StreamSpeculatorsDataset(BaseDataset):
                 "batch_sampler (it packs the chunks in the order they are announced)"
             )
         seq, j = int(index[0]), int(index[1])
-        if self._open is None or self._open[0] != seq:
+        if seq not in self._open:
             line = read_state(stream_dir(self.run_dir)).chunks.get(seq)
             if line is None:
                 raise StreamError(f"seq {seq} is not in {stream_dir(self.run_dir) / JOURNAL}")
-            self._open = None  # drop the previous chunk's map before opening the next
-            self._open = (seq, self._stream._open(line))  # sha256 checked first
-        sample = speculators_sample(self._open[1][j], f"seq {seq}")
+            while len(self._open) >= 2:  # drop the oldest map before opening another
+                del self._open[next(iter(self._open))]
+            self._open[seq] = self._stream._open(line)  # sha256 checked first
+        sample = speculators_sample(self._open[seq][j], f"seq {seq}")
         return {k: sample[k] for k in ("hidden_states", "input_ids",
                                        "verifier_last_hidden_states", "loss_mask")}  # fmt: skip
 
