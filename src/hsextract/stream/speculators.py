@@ -1,0 +1,332 @@
+"""speculators' own training code reading a run in progress (issue 39, item 6).
+
+speculators 0.9.0 trains from ``BaseDataset`` items packed by
+``MultipackDistributedBatchSamplerV2``, which draws every record of the whole set in a
+random order and packs them into ``total_seq_len`` token batches, one per DP rank.  Under a
+disk budget the whole set never exists at once, so that order cannot be served: the
+record it asks for first may be extracted last, behind chunks that fill the budget while
+nothing can be trained on (a deadlock).  Instead of the order the trainer asks for, the
+trainer asks in the order the workflow produces:
+
+- :class:`StreamPackingSampler` (a batch sampler for speculators' ``DataLoader``) follows
+  the journal: chunk by chunk, in journal order, it shuffles the chunk's records by
+  (seed, epoch, seq) and packs them with speculators' own LPT packer
+  (``_assign_to_packed_batches``, the one its sampler uses), for every rank at once, so
+  all ranks step in lockstep.  The few records the packer leaves at a chunk's end (fewer
+  than the ranks) are carried into the next chunk's packing; at the end of the pass the
+  last ones go one per rank, a rank without one gets an empty batch (speculators'
+  ``CollateFn`` turns it into its empty sample).  Every record is yielded exactly once a
+  pass.  The shuffle window is the chunk (records are shuffled globally by
+  ``merge_and_shuffle`` before they are split into chunks).
+- :class:`StreamSpeculatorsDataset` is a speculators ``BaseDataset`` whose keys are
+  ``(seq, position)``; it checks each chunk's sha256 before its first record.  A plain
+  integer key is an index into the whole set, i.e. speculators' stock sampler: refused in
+  one sentence rather than left to wait for a record the budget may never let exist.
+- acks: ``sampler.covered_seqs(n)`` are the chunks whose every record is in the first
+  ``n`` batches of the pass, i.e. what a checkpoint taken after ``n`` optimizer steps
+  covers; rank 0 acks them once that checkpoint is durable.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from speculators.train.data import BaseDataset
+from speculators.train.distributed_batch_sampler import _assign_to_packed_batches
+from torch.utils.data import DataLoader, Sampler
+
+from hsextract.chunks import ChunkReader
+from hsextract.stream.journal import JOURNAL, StreamError, read_state, stream_dir
+from hsextract.stream.reader import StreamDataset, _seed_of, _wait_change, speculators_sample
+
+Key = tuple[int, int]
+
+
+def _pass_lines(run_dir: Path, pass_: int, epochs_mode: str) -> tuple[list[dict], bool]:
+    """The pass's chunk lines in journal order, and whether the pass has ended."""
+    st = read_state(stream_dir(run_dir))
+    src = 1 if epochs_mode == "keep" else pass_
+    return [c for _, c in sorted(st.chunks.items()) if c["pass"] == src], src in st.ends
+
+
+class StreamSpeculatorsDataset(BaseDataset):
+    """speculators' ``BaseDataset`` over the stream: ``dataset[(seq, j)]`` is record ``j``
+    of the chunk announced as ``seq``, as speculators' ``ArrowDataset`` returns it (aux
+    layers concatenated, the pre-norm final state apart; ``BaseDataset`` adds ``lengths``
+    and ``position_ids``).  Use it with :class:`StreamPackingSampler` only."""
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        max_len: int,
+        *,
+        hidden_states_dtype: torch.dtype = torch.bfloat16,
+        epochs_mode: str = "keep",
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.epochs_mode = epochs_mode
+        self._stream = StreamDataset(run_dir, layout="raw", epochs_mode=epochs_mode)
+        # Open chunks, newest last: two, since a chunk's packing group also holds the
+        # records carried from the one before, so batches alternate between them (each
+        # open checks the sha256, a whole read: not to be redone per batch).
+        self._open: dict[int, ChunkReader] = {}
+        super().__init__(max_len, hidden_states_dtype)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A worker process opens its own chunk: a memory map does not pickle.
+        return {**self.__dict__, "_open": {}}
+
+    def _compute_approx_lengths(self) -> list[int]:
+        # The whole set's lengths do not exist before it is extracted; the sampler reads
+        # each chunk's lengths when the chunk is announced.
+        return []
+
+    def __len__(self) -> int:
+        st = read_state(stream_dir(self.run_dir))
+        return sum(int(c["records"]) for c in st.chunks.values())
+
+    def _get_raw_data(self, index: Any) -> dict[str, torch.Tensor]:
+        if not (isinstance(index, tuple) and len(index) == 2):
+            raise StreamError(
+                f"speculators asked for record {index!r} of the whole set in a random order "
+                "(its MultipackDistributedBatchSamplerV2), which a stream under "
+                "stream.budget_gb cannot keep on disk; pass "
+                "hsextract.stream.speculators.StreamPackingSampler as the DataLoader's "
+                "batch_sampler (it packs the chunks in the order they are announced)"
+            )
+        seq, j = int(index[0]), int(index[1])
+        if seq not in self._open:
+            line = read_state(stream_dir(self.run_dir)).chunks.get(seq)
+            if line is None:
+                raise StreamError(f"seq {seq} is not in {stream_dir(self.run_dir) / JOURNAL}")
+            while len(self._open) >= 2:  # drop the oldest map before opening another
+                del self._open[next(iter(self._open))]
+            self._open[seq] = self._stream._open(line)  # sha256 checked first
+        sample = speculators_sample(self._open[seq][j], f"seq {seq}")
+        return {k: sample[k] for k in ("hidden_states", "input_ids",
+                                       "verifier_last_hidden_states", "loss_mask")}  # fmt: skip
+
+
+@dataclass
+class _Group:
+    """One chunk's packing: its journal index, the pass's batch count before it, its
+    batches (per batch, per rank, the keys) and the records it carried out."""
+
+    index: int
+    start: int
+    batches: list[list[list[Key]]]
+    carry_out: list[tuple[Key, int]]
+
+
+class StreamPackingSampler(Sampler[list[Key]]):
+    """speculators' length packing over the chunks as they are announced (see the module
+    docstring); one instance per rank, the same ``seed`` on every rank."""
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        batch_max_length: int,
+        *,
+        rank: int = 0,
+        world: int = 1,
+        seed: int = 0,
+        epochs_mode: str = "keep",
+        poll_s: float = 0.05,
+        timeout_s: float | None = None,
+    ) -> None:
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is not in [0, world {world})")
+        self.run_dir = Path(run_dir)
+        self.batch_max_length = batch_max_length
+        self.rank, self.world, self.seed = rank, world, seed
+        self.epochs_mode = epochs_mode
+        self.poll_s, self.timeout_s = poll_s, timeout_s
+        self.epoch = 0
+        self._complete: list[tuple[int, int]] = []  # (batches yielded, seq) as seqs finish
+        self._groups: list[_Group] = []  # the packing groups since the last state_dict
+        self._resume: dict[str, Any] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """speculators' Trainer calls this each epoch; epoch e reads pass e + 1."""
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        """An estimate (speculators' Trainer sizes its LR schedule and checkpoint interval
+        by it before the pass exists): the run's planned tokens (``chunks/index.json``, or
+        the chunks announced so far without one) over one step's tokens on all ranks."""
+        index = self.run_dir / "chunks" / "index.json"
+        if index.exists():
+            from hsextract.records import read_index
+
+            tokens = sum(int(e["tokens"]) for e in read_index(index)["chunks"])
+        else:
+            lines, _ = _pass_lines(self.run_dir, self.epoch + 1, self.epochs_mode)
+            tokens = sum(int(c["tokens"]) for c in lines)
+        return max(1, -(-tokens // (self.batch_max_length * self.world)))
+
+    def covered_seqs(self, batches: int) -> list[int]:
+        """The chunks whose every record is in the first ``batches`` batches of the pass:
+        what a checkpoint after that many steps covers (rank independent).  Ack them with
+        ``pass_=epoch + 1`` (with ``keep`` and several passes a chunk is freed only once
+        acked in the last)."""
+        return [seq for n, seq in self._complete if n <= batches]
+
+    def _wait(self, i: int) -> tuple[list[dict], bool]:
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        seen = None
+        while True:
+            lines, ended = _pass_lines(self.run_dir, self.epoch + 1, self.epochs_mode)
+            if len(lines) > i or ended:
+                return lines, ended
+            if deadline is not None and time.monotonic() > deadline:
+                raise StreamError(
+                    f"no chunk {i} of pass {self.epoch + 1} in {stream_dir(self.run_dir) / JOURNAL}"
+                    f" after {self.timeout_s} s; is the workflow running?"
+                )
+            seen = _wait_change(stream_dir(self.run_dir) / JOURNAL, seen, self.poll_s)
+
+    def state_dict(self, batches: int) -> dict[str, Any]:
+        """What a checkpoint taken after ``batches`` steps of this pass holds to resume:
+        the packed batches left of the chunk group it was in (every rank's) and the records
+        carried out of it, with their lengths.  So a resumed sampler reads no chunk that
+        was packed before (those the checkpoint covers may be acked and deleted by then),
+        and every rank resumes from rank 0's state."""
+        while len(self._groups) > 1 and self._groups[1].start <= batches:
+            self._groups.pop(0)  # a checkpoint never goes back before one already taken
+        if not self._groups:
+            return {"epoch": self.epoch, "at": batches, "next": 0, "rest": [], "carry": []}
+        g = self._groups[0]
+        return {"epoch": self.epoch, "at": batches, "next": g.index + 1,
+                "rest": [[[list(k) for k in r] for r in b]
+                         for b in g.batches[batches - g.start:]],
+                "carry": [[k[0], k[1], n] for k, n in g.carry_out]}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: the next ``__iter__`` yields exactly the batches
+        an uninterrupted pass would have yielded after that point."""
+        self.epoch = int(state["epoch"])
+        self._resume = state
+
+    def __iter__(self) -> Iterator[list[Key]]:
+        resume, self._resume = self._resume, None
+        if resume is not None and int(resume["epoch"]) != self.epoch:
+            resume = None  # set_epoch moved on: a new pass starts at its beginning
+        self._complete, self._groups = [], []
+        owed: dict[int, int] = {}
+        yielded, i = 0, 0
+        carry: list[tuple[Key, int]] = []
+        if resume is not None:
+            yielded, i = int(resume["at"]), int(resume["next"])
+            carry = [((int(a), int(b)), int(n)) for a, b, n in resume["carry"]]
+            rest = [[[(int(a), int(b)) for a, b in r] for r in bt] for bt in resume["rest"]]
+            owed = dict(Counter(k[0] for bt in rest for r in bt for k in r))
+            owed.update((k, v + owed.get(k, 0)) for k, v in Counter(k[0] for k, _ in carry).items())
+            for bt in rest:
+                yielded += 1
+                self._settle(owed, [k for r in bt for k in r], yielded)
+                yield bt[self.rank]
+        while True:
+            lines, _ = self._wait(i)
+            if i >= len(lines):
+                break
+            line = lines[i]
+            seq = int(line["seq"])
+            order = list(range(int(line["records"])))
+            random.Random(_seed_of(self.seed, self.epoch, seq)).shuffle(order)
+            lens = self._lengths(line)
+            pending = carry + [((seq, j), lens[j]) for j in order]
+            owed[seq] = len(order)
+            lengths = np.minimum(np.array([n for _, n in pending]), self.batch_max_length)
+            per_rank = [
+                _assign_to_packed_batches(lengths, self.batch_max_length, r, self.world)
+                for r in range(self.world)
+            ]
+            batches = [[[pending[int(x)][0] for x in per_rank[r][b]] for r in range(self.world)]
+                       for b in range(len(per_rank[0]))]  # fmt: skip
+            placed = {k for bt in batches for r in bt for k in r}
+            carry = [p for p in pending if p[0] not in placed]
+            self._groups.append(_Group(i, yielded, batches, carry))
+            i += 1
+            for bt in batches:
+                yielded += 1
+                # Recorded before the batch goes out (tagged with its number), so
+                # covered_seqs(n) is complete as soon as the n-th batch was handed out.
+                self._settle(owed, [k for r in bt for k in r], yielded)
+                yield bt[self.rank]
+        if carry:  # fewer than `world` records: one each, the rest an empty batch
+            yielded += 1
+            self._settle(owed, [k for k, _ in carry], yielded)
+            yield [carry[self.rank][0]] if self.rank < len(carry) else []
+
+    def _lengths(self, line: dict) -> list[int]:
+        """A chunk's record lengths, from its header (the dataset checks its sha256 before
+        yielding a record of it)."""
+        reader = ChunkReader(self.run_dir / line["path"])
+        return [int(n) for n in (reader.offsets[1:] - reader.offsets[:-1]).tolist()]
+
+    def _settle(self, owed: dict[int, int], keys: list[Key], yielded: int) -> None:
+        for seq, _ in keys:
+            owed[seq] -= 1
+            if owed[seq] == 0:
+                self._complete.append((yielded, seq))
+
+
+def speculators_loader(
+    run_dir: str | os.PathLike[str],
+    total_seq_len: int,
+    hidden_size: int,
+    *,
+    num_target_layers: int = 3,
+    hidden_states_dtype: torch.dtype = torch.bfloat16,
+    preprocess: Any = None,
+    num_workers: int = 0,
+    prefetch_factor: int | None = 4,
+    rank: int = 0,
+    world: int = 1,
+    seed: int = 0,
+    epochs_mode: str = "keep",
+    timeout_s: float | None = None,
+) -> DataLoader:
+    """speculators' training ``DataLoader`` as its ``_setup_dataloader`` builds it (its
+    ``CollateFn``, spawn workers, its worker init), over the stream: the dataset and the
+    batch sampler are this module's.  ``loader.batch_sampler`` is the
+    :class:`StreamPackingSampler` to ack and checkpoint with.
+
+    Window: every rank reads the same chunk (the packer splits each chunk's records over
+    the ranks), so ranks do not multiply it; the loader holds up to ``num_workers x
+    prefetch_factor`` batches ahead, which may span chunks: count them in
+    ``stream.prefetch_chunks``.
+    """
+    from speculators.train.data import CollateFn
+    from speculators.train.dataloader import _worker_init_fn
+
+    ds = StreamSpeculatorsDataset(run_dir, total_seq_len, hidden_states_dtype=hidden_states_dtype,
+                                  epochs_mode=epochs_mode)  # fmt: skip
+    sampler = StreamPackingSampler(run_dir, total_seq_len, rank=rank, world=world, seed=seed,
+                                   epochs_mode=epochs_mode, timeout_s=timeout_s)  # fmt: skip
+    workers = num_workers > 0
+    return DataLoader(
+        ds,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        prefetch_factor=prefetch_factor if workers else None,
+        collate_fn=CollateFn(
+            total_seq_len,
+            hidden_size,
+            num_target_layers=num_target_layers,
+            dtype=hidden_states_dtype,
+            preprocess=preprocess,
+        ),  # fmt: skip
+        persistent_workers=workers,
+        multiprocessing_context="spawn" if workers else None,
+        worker_init_fn=_worker_init_fn if workers else None,
+    )
