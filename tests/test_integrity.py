@@ -244,7 +244,7 @@ def test_dataset_blames_a_stale_manifest_not_a_good_chunk(demo_copy):
         ds[n0]
     msg = str(err.value)
     assert "the manifest is stale, not the chunk" in msg and "\n" not in msg
-    assert msg.endswith("rebuild it with `snakemake -j1 extract_all`"), msg
+    assert msg.endswith(f"rebuild it with `{snakemake_command('extract_all', run_dir=rd)}`"), msg
     assert str(rd / "hidden" / "chunk_00001.safetensors") in msg
 
 
