@@ -194,7 +194,10 @@ def test_train_while_extracting_within_a_budget_through_kills(tmp_path: Path) ->
         # The budget held on disk, sampled through the run; acked payloads were deleted.
         assert 0 < peak[0] <= budget, (peak[0], budget)
         deleted = journal.read_lines(sdir / "deleted.jsonl")
-        assert len(deleted) >= 8 and all(not (rd / d["path"]).exists() for d in deleted)
+        # How many are deleted by the last chunk job depends on when the trainer's acks land
+        # (payloads acked after it stay: no job runs to delete them), so no count beyond one.
+        assert deleted and all(not (rd / d["path"]).exists() for d in deleted)
+        assert all(st.is_acked(d["seq"]) for d in deleted)
     finally:
         sampling.set()
         go.touch()
