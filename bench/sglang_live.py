@@ -5,7 +5,8 @@ bench/sglang_live.py" bash h200/run.sh``), SGLang 0.5.14.
 The model has DeepSeek-V3's full width -- hidden 7168, 128 heads, q_lora 1536, kv_lora
 512, MLP 18432, vocab 129,280 -- and 8 layers (1 dense + 7 MoE of 16 experts of 2048,
 top-2) so it fits one GPU; random weights (``--load-format dummy``: only a config.json).
-Records of 8,192 tokens, one extend pass each (chunked prefill 8192), aux layers [2, 4, 5]
+Records of 8,192 tokens (`--record-tokens`), one extend pass each (chunked prefill 8192,
+`--chunked-prefill`), aux layers [2, 4, 5]
 + the final norm: 470 MB of states per pass.
 
 Two servers with the same flags, started at once, measured in alternation (one at a time,
@@ -74,9 +75,10 @@ def _import_client() -> None:
 def _chunk_job(cfg: dict, index: Path, dest: Path, tag: str, state: dict, c: Path) -> dict:
     """One chunk job, as ``extract_chunk`` runs it in Snakemake; its file deleted after."""
     from hsextract.client import extract_chunk
+    from hsextract.config import typed
 
     out = dest / f"hidden-{tag}-{c.stem}.safetensors"
-    sc = extract_chunk(copy.deepcopy(cfg), chunk_path=c, index_path=index, out_path=out,
+    sc = extract_chunk(typed(copy.deepcopy(cfg)), chunk_path=c, index_path=index, out_path=out,
                        sidecar_path=out.with_suffix(".json"), ensure=lambda: state,
                        progress=False)  # fmt: skip
     out.unlink()
@@ -146,6 +148,10 @@ def main() -> None:
         help="chunks extracted at once, one after another like snakemake -j N (0: all)",
     )
     ap.add_argument("--in-flight", type=int, default=4, help="per chunk")
+    ap.add_argument("--record-tokens", type=int, default=8192, help="tokens per record")
+    ap.add_argument("--chunked-prefill", type=int, default=None,
+                    help="tokens per extend pass (default: --record-tokens): 1024 measures "
+                         "the capture's per-pass cost at short passes")  # fmt: skip
     ap.add_argument(
         "--modes",
         default="lossless@disk:8/4p,lossless@disk:4/4p",
@@ -153,6 +159,9 @@ def main() -> None:
         "dir's disk or on /dev/shm; jobs: --jobs; sending: client.sending_jobs, default "
         "jobs); the first is the headline",
     )
+    ap.add_argument("--mem-fraction", type=float, default=0.4,
+                    help="each server's --mem-fraction-static (two share the GPU; an 80 GB "
+                         "H100 needs ~0.47)")  # fmt: skip
     ap.add_argument("--work", default="/tmp/hsextract-bench-live")
     args = ap.parse_args()
 
@@ -160,7 +169,7 @@ def main() -> None:
     import yaml
 
     from hsextract import server
-    from hsextract.config import load_config
+    from hsextract.config import load_config, typed
     from hsextract.records import merge_and_shuffle, split_chunks
     from hsextract.sglang import patching
     from hsextract.steps import _installed_sglang_root
@@ -172,7 +181,7 @@ def main() -> None:
 
     rng = random.Random(0)
     data = work / "data.jsonl"
-    n = 8192
+    n = args.record_tokens
     with open(data, "w") as f:
         for i in range(args.records):
             ids = [rng.randrange(2, WIDE["vocab_size"]) for _ in range(n)]
@@ -202,12 +211,14 @@ def main() -> None:
                model={"path": str(work / "model"), "dtype": "bfloat16"})  # fmt: skip
     cfg["demo"] = {"enabled": False}
     cfg["server"].update(
-        chunked_prefill_size=n, max_running_requests=args.in_flight * most, health_timeout_s=900
+        chunked_prefill_size=args.chunked_prefill or n,
+        max_running_requests=args.in_flight * most,
+        health_timeout_s=900,
     )
     cfg["client"].update(requests_in_flight=args.in_flight, request_timeout_s=600)
     cfg["dump"] = {"dir": str(Path("/dev/shm") / "hsextract-bench"), "shm_budget_gb": 16}
     cfg["sglang"] = {
-        "python": sys.executable, "tp_size": 1, "mem_fraction_static": 0.4,
+        "python": sys.executable, "tp_size": 1, "mem_fraction_static": args.mem_fraction,
         "extra_args": ["--load-format", "dummy", "--attention-backend", "triton",
                        "--sampling-backend", "pytorch", "--skip-tokenizer-init",
                        # A fixed KV pool: two servers can start at once on one GPU.
@@ -216,11 +227,12 @@ def main() -> None:
     }  # fmt: skip
     (work / "config.yaml").write_text(yaml.safe_dump(cfg))
     os.chdir(work)
-    cfg = load_config("config.yaml")
-    patching.apply(_installed_sglang_root(cfg))
+    cfg = load_config("config.yaml")  # a dict: each round edits a copy of it
+    tcfg = typed(cfg)
+    patching.apply(_installed_sglang_root(tcfg))
 
-    on_spec = server.build_spec(cfg, run_dir=work, log_path=work / "on.log")
-    off_spec = server.build_spec(cfg, run_dir=work, log_path=work / "off.log")
+    on_spec = server.build_spec(tcfg, run_dir=work, log_path=work / "on.log")
+    off_spec = server.build_spec(tcfg, run_dir=work, log_path=work / "off.log")
     off_spec.env = {k: v for k, v in off_spec.env.items() if k != "SGLANG_HS_DUMP_DIR"}
     states: dict[str, dict] = {}
 
@@ -233,6 +245,8 @@ def main() -> None:
         t.start()
     for t in threads:
         t.join()
+    if missing := {"on", "off"} - states.keys():
+        sys.exit(f"server(s) {sorted(missing)} did not start: see {work}/on.log, off.log")
     print(f"both servers healthy after {time.monotonic() - t0:.0f} s", flush=True)
     session = requests.Session()
 
