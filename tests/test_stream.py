@@ -150,7 +150,28 @@ def test_a_redone_chunk_with_other_bytes_is_a_revision_of_its_seq(tmp_path):
 
 
 def settings(budget: int, **kw) -> gate.StreamSettings:
-    return gate.StreamSettings(budget_bytes=budget, poll_s=0.05, **kw)
+    return gate.StreamSettings(budget_gb=budget / gate.GB, poll_s=0.05, **kw)
+
+
+def test_the_gates_settings_are_the_declared_stream_keys_with_their_defaults():
+    """One truth: every stream.* key as declared in hsextract.settings (its default there),
+    nothing else; a config without stream keys gives the gate exactly those defaults."""
+    from dataclasses import fields
+
+    from hsextract.config import typed
+    from hsextract.settings import SETTINGS
+
+    declared = {
+        k.split(".", 1)[1]: s.default for k, s in SETTINGS.items() if k.startswith("stream.")
+    }
+    got = gate.StreamSettings(budget_gb=None)
+    assert {f.name: getattr(got, f.name) for f in fields(gate.StreamSettings)} == declared
+    base = {"output_root": "r", "max_seq_len": 64, "seed": 0, "engine": "reference",
+            "model": {"path": "m", "dtype": "float32"}}  # fmt: skip
+    cfg = typed({**base, "stream": {"budget_gb": 2.5}})
+    ss = gate.settings_of(cfg)
+    assert ss == gate.StreamSettings(**{**declared, "budget_gb": 2.5})
+    assert ss.budget_bytes == 2_500_000_000 and ss.low_mark == SETTINGS["stream.low_mark"].default
 
 
 def test_a_budget_below_the_trainer_window_is_refused_naming_the_numbers():

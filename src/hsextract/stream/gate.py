@@ -14,11 +14,12 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from hsextract.budget import human
+from hsextract.config_types import StreamConfig
 from hsextract.stream.journal import (
     ACKS,
     StreamError,
@@ -46,18 +47,18 @@ class BudgetRefused(StreamError):
     """The budget cannot hold the trainer's window: the run would deadlock, so it never starts."""
 
 
-@dataclass(frozen=True)
-class StreamSettings:
-    """``stream.*`` as the gate uses it (built from the typed config by :func:`settings_of`)."""
+class StreamSettings(StreamConfig):
+    """``stream.*`` as the gate uses it: the typed config's own fields and defaults (each
+    declared once, with its help, in :mod:`hsextract.settings`), plus what the gate derives
+    from them.  No field of its own, so no second list of defaults can drift from the
+    declarations.  Built from a config by :func:`settings_of`; tests construct it directly
+    with ``budget_gb``."""
 
-    budget_bytes: int
-    low_mark: float = 0.75
-    passes: int = 1
-    epochs_mode: str = "keep"
-    trainer_ranks: int = 1
-    prefetch_chunks: int = 2
-    checkpoint_chunks: int = 2
-    poll_s: float = 2.0
+    @property
+    def budget_bytes(self) -> int:
+        if self.budget_gb is None:
+            raise StreamError("stream.budget_gb is null: the stream is off, there is no budget")
+        return round(self.budget_gb * GB)
 
     @property
     def final_pass(self) -> int:
@@ -76,16 +77,7 @@ def settings_of(cfg: Any) -> StreamSettings | None:
     s = getattr(cfg, "stream", None)
     if s is None or s.budget_gb is None:
         return None
-    return StreamSettings(
-        budget_bytes=int(s.budget_gb * GB),
-        low_mark=s.low_mark,
-        passes=s.passes,
-        epochs_mode=s.epochs_mode,
-        trainer_ranks=s.trainer_ranks,
-        prefetch_chunks=s.prefetch_chunks,
-        checkpoint_chunks=s.checkpoint_chunks,
-        poll_s=s.poll_s,
-    )
+    return StreamSettings(**{f.name: getattr(s, f.name) for f in fields(StreamConfig)})
 
 
 def check_window(ss: StreamSettings, largest_chunk_bytes: int, run_bytes: int) -> None:
@@ -102,7 +94,7 @@ def check_window(ss: StreamSettings, largest_chunk_bytes: int, run_bytes: int) -
     need = int(chunks * largest_chunk_bytes)
     if ss.budget_bytes < need:
         raise BudgetRefused(
-            f"stream.budget_gb {ss.budget_bytes / GB:.6g} ({human(ss.budget_bytes)}) is smaller "
+            f"stream.budget_gb {ss.budget_gb:.6g} ({human(ss.budget_bytes)}) is smaller "
             f"than the trainer's window: ({ss.trainer_ranks} ranks x {ss.prefetch_chunks} "
             f"chunks held (loader workers share their rank's) + {ss.checkpoint_chunks} chunks "
             f"between checkpoints + 1) = {w} chunks, or {w - 1} chunks / stream.low_mark "
@@ -115,7 +107,7 @@ def check_window(ss: StreamSettings, largest_chunk_bytes: int, run_bytes: int) -
         raise BudgetRefused(
             f"stream.epochs_mode keep with {ss.passes} passes keeps every chunk until the "
             f"last pass, ~{human(run_bytes)}, more than stream.budget_gb "
-            f"{ss.budget_bytes / GB:.6g} ({human(ss.budget_bytes)}): use epochs_mode "
+            f"{ss.budget_gb:.6g} ({human(ss.budget_bytes)}): use epochs_mode "
             "regenerate, one pass, or a budget of the whole run"
         )
 
