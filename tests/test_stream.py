@@ -106,6 +106,87 @@ def test_a_torn_last_line_is_ignored_then_cut_by_the_next_append(tmp_path):
     assert [ln.get("seq") for ln in journal_lines(tmp_path)] == [0, 1, None]
 
 
+def test_a_follower_takes_each_appended_line_once_at_the_cost_of_what_was_appended(tmp_path):
+    path = tmp_path / "stream" / "journal.jsonl"
+    path.parent.mkdir()
+    f = journal.LineFollower(path)
+    assert f.read_new() == (False, [])  # no file yet
+    last = b""
+    for i in range(50):
+        line = {"type": "chunk", "seq": i, "pad": "x" * (i * 7)}
+        journal.append_line(path, line)
+        before = f.bytes_read
+        assert f.read_new() == (False, [line])
+        # What was appended, and the line taken before (to see a rewrite), no more.
+        appended = len(json.dumps(line, sort_keys=True)) + 1
+        assert f.bytes_read - before <= appended + len(last)
+        last = path.read_bytes()[-appended:]
+        assert f.read_new() == (False, []) and f.bytes_read - before <= appended + 2 * len(last)
+    # A torn line (a writer mid-append) is taken once complete, and only then.
+    with open(path, "ab") as fh:
+        fh.write(b'{"type": "chunk", "seq": 50')
+    assert f.read_new() == (False, [])
+    with open(path, "ab") as fh:
+        fh.write(b"}\n")
+    assert f.read_new() == (False, [{"type": "chunk", "seq": 50}])
+    # A torn line cut off by the next writer's repair: never taken, the new line is.
+    with open(path, "ab") as fh:
+        fh.write(b'{"type": "chunk", "se')
+    assert f.read_new() == (False, [])
+    journal.append_line(path, {"type": "chunk", "seq": 51})
+    assert f.read_new() == (False, [{"type": "chunk", "seq": 51}])
+    # A replaced file (another inode) is read again from the top, and says so.
+    tmp = path.with_name("new.jsonl")
+    tmp.write_bytes(b'{"seq": 0}\n{"seq": 1}\n')
+    os.replace(tmp, path)
+    assert f.read_new() == (True, [{"seq": 0}, {"seq": 1}])
+    # So is one cut below what was taken, or rewritten in place where it was taken.
+    with open(path, "r+b") as fh:
+        fh.truncate(0)
+        fh.write(b'{"seq": 7}\n')
+    assert f.read_new() == (True, [{"seq": 7}])
+    with open(path, "r+b") as fh:
+        fh.write(b'{"seq": 8}\n{"seq": 9}\n')
+    assert f.read_new() == (True, [{"seq": 8}, {"seq": 9}])
+    path.unlink()
+    assert f.read_new() == (True, [])
+
+
+def _rchar() -> int:
+    """Bytes this process has read through read(2) and friends, all files together."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+def test_a_readers_look_reads_what_was_appended_not_the_whole_journal(tmp_path):
+    """Every reader (the dataset's poll, the samplers, the gate, status) looks through
+    read_state: a look after one more announcement reads that line, not the journal."""
+    make_run(tmp_path, [1, 1])
+    sdir = tmp_path / "stream"
+    jpath, apath = sdir / "journal.jsonl", sdir / "acks.jsonl"
+    old = journal.read_lines(jpath)[0]
+    with open(jpath, "ab") as fh:  # a long run's journal: 3,000 announcements
+        for seq in range(3, 3003):
+            fh.write((json.dumps({**old, "seq": seq}, sort_keys=True) + "\n").encode())
+    journal.AckWriter(tmp_path).ack([0])
+    assert len(journal.read_state(sdir).chunks) == 3002
+    sizes = jpath.stat().st_size + apath.stat().st_size
+    last_lines = sum(len(p.read_bytes().splitlines(keepends=True)[-1]) for p in (jpath, apath))
+    journal.append_line(jpath, {**old, "seq": 3003})
+    journal.AckWriter(tmp_path).ack([1])
+    appended = jpath.stat().st_size + apath.stat().st_size - sizes
+    before = _rchar()
+    overhead = _rchar() - before  # reading /proc/self/io counts too
+    before = _rchar()
+    st = journal.read_state(sdir)
+    cost = _rchar() - before - overhead
+    assert 3003 in st.chunks and st.is_acked(1) and st.is_acked(0)
+    # The appended lines, and the line each file's follower took last (a rewrite check).
+    assert cost <= appended + last_lines, (cost, appended, last_lines, sizes)
+
+
 def _announce_all(run_dir: str, sides: list[dict], order: list[int]) -> None:
     for i in order:
         announce(Path(run_dir), sides[i], len(sides))
