@@ -365,6 +365,78 @@ def test_the_summary_names_what_waits_for_the_trainer(tmp_path):
     assert "chunk_00001 (seq 1)" in gate.waiting_text(info)
 
 
+def test_disk_in_use_is_sampled_through_a_streamed_run_and_its_peak_reported(tmp_path):
+    """A producer (gate, chunk written, announced by the chunk job's own after_chunk) fills
+    the budget and waits; a trainer reads and acks chunk by chunk.  The samples in
+    stream/usage.jsonl cover every step, and the report's peak is their maximum, within
+    the budget."""
+    from hsextract import report
+    from hsextract.records import INDEX_FORMAT
+    from hsextract.stream import producer
+
+    n, records, tokens = 8, 4, 400
+    index = tmp_path / "chunks" / "index.json"
+    index.parent.mkdir()
+    entries = [
+        {"path": f"chunks/chunk_{i:05d}.jsonl", "tokens": records * tokens} for i in range(n)
+    ]
+    index.write_text(json.dumps({"format": INDEX_FORMAT, "chunks": entries}))
+    scratch = write_chunk(tmp_path / "scratch", 0, records, tokens=tokens)
+    size = (tmp_path / "scratch" / scratch["path"]).stat().st_size
+    bpt = size // scratch["tokens"] + 1
+    # A window of 3 chunks (1 rank x 1 open + 1 between checkpoints + 1): room for ~3.5.
+    ss = settings(int(3.5 * records * tokens * bpt), prefetch_chunks=1, checkpoint_chunks=1)
+    errors: list[BaseException] = []
+
+    def produce() -> None:
+        try:
+            for i in range(n):
+                gate.wait_for_room(tmp_path, ss, chunk=f"chunk_{i:05d}", tokens=records * tokens,
+                                   raw_bytes_per_token=bpt, largest_tokens=records * tokens,
+                                   run_tokens=n * records * tokens)  # fmt: skip
+                side = write_chunk(tmp_path, i, records, tokens=tokens)
+                producer.after_chunk(ss, run_dir=tmp_path, sidecar=side, index=index,
+                                     hidden=tmp_path / side["path"], shapes=SHAPES)  # fmt: skip
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=produce, daemon=True)
+    t.start()
+    acks = journal.AckWriter(tmp_path)
+    try:
+        wait_for(lambda: gate.summary(tmp_path)["paused"] or bool(errors))
+        assert not errors and gate.summary(tmp_path)["announced"] == 3
+        prev = None
+        for s in StreamDataset(tmp_path, timeout_s=60):
+            if prev is not None and s["seq"] != prev:
+                acks.ack([prev])  # a checkpoint per chunk
+            prev = s["seq"]
+        acks.ack([prev])
+    finally:
+        acks.ack(list(range(n)))
+        t.join(60)
+    assert not errors and not t.is_alive()
+
+    samples = report.read_usage(tmp_path)
+    events = Counter(s["event"] for s in samples)
+    assert events["pass"] == n and events["announce"] == n and events["wait"] >= 1
+    assert events["delete"] >= 1
+    assert any(s["paused"] for s in samples) and not samples[-1]["paused"]
+    assert all(s["budget_bytes"] == ss.budget_bytes for s in samples)
+    peak = max(s["unacked_bytes"] for s in samples)
+    assert 3 * size <= peak <= ss.budget_bytes  # the budget filled, never passed
+    out = tmp_path / "report" / "disk_in_use.png"
+    section = report.stream_section(tmp_path, out)
+    assert section is not None and f"Peak unacknowledged chunk bytes {peak:,} (" in section
+    assert f"of the budget {ss.budget_bytes:,} (" in section and ", within it." in section
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report.run_table({}, {}, {}, {}, tmp_path / "report" / "run.html", [], section)
+    page = (tmp_path / "report" / "run.html").read_text()
+    assert "data:image/png;base64," in page and f"{peak:,}" in page
+    # An offline run has no samples and no section.
+    assert report.stream_section(tmp_path / "scratch", tmp_path / "none.png") is None
+
+
 # -- reader ---------------------------------------------------------------------------
 
 

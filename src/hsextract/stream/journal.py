@@ -24,6 +24,8 @@ from hsextract.errors import HsextractError
 STREAM_DIR = "stream"
 JOURNAL = "journal.jsonl"
 ACKS = "acks.jsonl"
+#: Each payload the producer deleted, once acknowledged (stream.gate.delete_acked).
+DELETED = "deleted.jsonl"
 LOCK = "journal.lock"
 
 
@@ -187,6 +189,8 @@ class StreamState:
     #: seq -> the highest pass an ack covered it in, and when.
     acked: dict[int, tuple[int, float]] = field(default_factory=dict)
     nacked: dict[int, dict[str, Any]] = field(default_factory=dict)
+    #: seq -> its last line in deleted.jsonl (the payload removed after its ack).
+    deleted: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def next_seq(self) -> int:
@@ -207,14 +211,16 @@ class StreamState:
 
 
 class StreamFollower:
-    """The journal and the ack file followed incrementally into one :class:`StreamState`:
-    each look applies only the lines appended since the last (see :class:`LineFollower`).
+    """The journal, the ack file and the deletion log followed incrementally into one
+    :class:`StreamState`: each look applies only the lines appended since the last (see
+    :class:`LineFollower`).
     Applying a line is idempotent (a chunk line sets its seq, an ack raises a pass), so a
     caller that added a line it just appended to the state loses nothing."""
 
     def __init__(self, sdir: Path) -> None:
         self.journal = LineFollower(Path(sdir) / JOURNAL)
         self.acks = LineFollower(Path(sdir) / ACKS)
+        self.deleted = LineFollower(Path(sdir) / DELETED)
         self.st = StreamState()
 
     def state(self) -> StreamState:
@@ -240,6 +246,11 @@ class StreamFollower:
                         self.st.acked[int(s)] = (p, float(line.get("at", 0)))
             elif line.get("type") == "nack":
                 self.st.nacked[int(line["seq"])] = line
+        reset, lines = self.deleted.read_new()
+        if reset:
+            self.st.deleted.clear()
+        for line in lines:
+            self.st.deleted[int(line["seq"])] = line
         return self.st
 
 
