@@ -48,8 +48,9 @@ class LineFollower:
 
     Why: readers look at the journal and the ack file every poll while a run goes on, and
     re-reading both whole made each look cost the run's length (a million-chunk journal
-    is ~400 MB).  A look reads the bytes appended since the last one, plus the last line
-    it took (to see the file rewritten in place).
+    is ~400 MB).  A look reads the bytes appended since the last one, plus, when there are
+    any, the last line it took (to see the file rewritten in place); an idle look reads
+    nothing.
 
     - A torn last line (no newline yet: a writer mid-append, or killed) is not taken; it
       is read again at the next look, and taken once complete.
@@ -79,6 +80,8 @@ class LineFollower:
         try:
             st = os.fstat(fd)
             ident = (st.st_dev, st.st_ino)
+            if ident == self.ident and st.st_size == self.offset:
+                return False, []  # an idle look (the poll's usual one) reads nothing
             start = self.offset - len(self.last)
             reset = False
             if ident != self.ident or st.st_size < self.offset or not self._same_last(fd, start):
