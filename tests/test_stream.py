@@ -431,9 +431,18 @@ def test_disk_in_use_is_sampled_through_a_streamed_run_and_its_peak_reported(tmp
     assert section is not None and f"Peak unacknowledged chunk bytes {peak:,} (" in section
     assert f"of the budget {ss.budget_bytes:,} (" in section and ", within it." in section
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    report.run_table({}, {}, {}, {}, tmp_path / "report" / "run.html", [], section)
+    out.unlink()
+    # The report rule's step puts it in run.html, the figure inline and beside it.
+    for name in ("manifest", "stats", "gate", "patch"):
+        (tmp_path / f"{name}.json").write_text('{"chunks": []}' if name == "manifest" else "{}")
+    figs = {
+        k: tmp_path / "report" / f"{k}.png" for k in ("lengths", "rejects", "chunks", "activations")
+    }
+    files = {k: tmp_path / f"{k}.json" for k in ("manifest", "stats", "gate", "patch", "server")}
+    report.make_all(**files, out={**figs, "run": tmp_path / "report" / "run.html"})
     page = (tmp_path / "report" / "run.html").read_text()
-    assert "data:image/png;base64," in page and f"{peak:,}" in page
+    assert f"Peak unacknowledged chunk bytes {peak:,} (" in page
+    assert "data:image/png;base64," in page and out.read_bytes()[:4] == b"\x89PNG"
     # An offline run has no samples and no section.
     assert report.stream_section(tmp_path / "scratch", tmp_path / "none.png") is None
 
