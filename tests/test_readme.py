@@ -379,7 +379,9 @@ def _nothing_required(parser: argparse.ArgumentParser) -> None:
 BENCH = [
     c
     for c in _of(*PYTHONS)
-    if c.argv[1].startswith(("bench/", "patches/")) or c.argv[1:3] == ("-m", "hsextract.settings")
+    # tests/stream_trainer.py: the README's example trainer for a streamed run.
+    if c.argv[1].startswith(("bench/", "patches/", "tests/stream_trainer.py"))
+    or c.argv[1:3] == ("-m", "hsextract.settings")
 ]
 
 # Runs each bench (and patches/) script as __main__ up to its argparse: parse_args parses,

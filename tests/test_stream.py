@@ -106,6 +106,88 @@ def test_a_torn_last_line_is_ignored_then_cut_by_the_next_append(tmp_path):
     assert [ln.get("seq") for ln in journal_lines(tmp_path)] == [0, 1, None]
 
 
+def test_a_follower_takes_each_appended_line_once_at_the_cost_of_what_was_appended(tmp_path):
+    path = tmp_path / "stream" / "journal.jsonl"
+    path.parent.mkdir()
+    f = journal.LineFollower(path)
+    assert f.read_new() == (False, [])  # no file yet
+    last = b""
+    for i in range(50):
+        line = {"type": "chunk", "seq": i, "pad": "x" * (i * 7)}
+        journal.append_line(path, line)
+        before = f.bytes_read
+        assert f.read_new() == (False, [line])
+        # What was appended, and the line taken before (to see a rewrite), no more.
+        appended = len(json.dumps(line, sort_keys=True)) + 1
+        assert f.bytes_read - before <= appended + len(last)
+        last = path.read_bytes()[-appended:]
+        idle = f.bytes_read
+        assert f.read_new() == (False, []) and f.bytes_read == idle  # nothing new: no read
+    # A torn line (a writer mid-append) is taken once complete, and only then.
+    with open(path, "ab") as fh:
+        fh.write(b'{"type": "chunk", "seq": 50')
+    assert f.read_new() == (False, [])
+    with open(path, "ab") as fh:
+        fh.write(b"}\n")
+    assert f.read_new() == (False, [{"type": "chunk", "seq": 50}])
+    # A torn line cut off by the next writer's repair: never taken, the new line is.
+    with open(path, "ab") as fh:
+        fh.write(b'{"type": "chunk", "se')
+    assert f.read_new() == (False, [])
+    journal.append_line(path, {"type": "chunk", "seq": 51})
+    assert f.read_new() == (False, [{"type": "chunk", "seq": 51}])
+    # A replaced file (another inode) is read again from the top, and says so.
+    tmp = path.with_name("new.jsonl")
+    tmp.write_bytes(b'{"seq": 0}\n{"seq": 1}\n')
+    os.replace(tmp, path)
+    assert f.read_new() == (True, [{"seq": 0}, {"seq": 1}])
+    # So is one cut below what was taken, or rewritten in place where it was taken.
+    with open(path, "r+b") as fh:
+        fh.truncate(0)
+        fh.write(b'{"seq": 7}\n')
+    assert f.read_new() == (True, [{"seq": 7}])
+    with open(path, "r+b") as fh:
+        fh.write(b'{"seq": 8}\n{"seq": 9}\n')
+    assert f.read_new() == (True, [{"seq": 8}, {"seq": 9}])
+    path.unlink()
+    assert f.read_new() == (True, [])
+
+
+def _rchar() -> int:
+    """Bytes this process has read through read(2) and friends, all files together."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+def test_a_readers_look_reads_what_was_appended_not_the_whole_journal(tmp_path):
+    """Every reader (the dataset's poll, the samplers, the gate, status) looks through
+    read_state: a look after one more announcement reads that line, not the journal."""
+    make_run(tmp_path, [1, 1])
+    sdir = tmp_path / "stream"
+    jpath, apath = sdir / "journal.jsonl", sdir / "acks.jsonl"
+    old = journal.read_lines(jpath)[0]
+    with open(jpath, "ab") as fh:  # a long run's journal: 3,000 announcements
+        for seq in range(3, 3003):
+            fh.write((json.dumps({**old, "seq": seq}, sort_keys=True) + "\n").encode())
+    journal.AckWriter(tmp_path).ack([0])
+    assert len(journal.read_state(sdir).chunks) == 3002
+    sizes = jpath.stat().st_size + apath.stat().st_size
+    last_lines = sum(len(p.read_bytes().splitlines(keepends=True)[-1]) for p in (jpath, apath))
+    journal.append_line(jpath, {**old, "seq": 3003})
+    journal.AckWriter(tmp_path).ack([1])
+    appended = jpath.stat().st_size + apath.stat().st_size - sizes
+    before = _rchar()
+    overhead = _rchar() - before  # reading /proc/self/io counts too
+    before = _rchar()
+    st = journal.read_state(sdir)
+    cost = _rchar() - before - overhead
+    assert 3003 in st.chunks and st.is_acked(1) and st.is_acked(0)
+    # The appended lines, and the line each file's follower took last (a rewrite check).
+    assert cost <= appended + last_lines, (cost, appended, last_lines, sizes)
+
+
 def _announce_all(run_dir: str, sides: list[dict], order: list[int]) -> None:
     for i in order:
         announce(Path(run_dir), sides[i], len(sides))
@@ -150,7 +232,28 @@ def test_a_redone_chunk_with_other_bytes_is_a_revision_of_its_seq(tmp_path):
 
 
 def settings(budget: int, **kw) -> gate.StreamSettings:
-    return gate.StreamSettings(budget_bytes=budget, poll_s=0.05, **kw)
+    return gate.StreamSettings(budget_gb=budget / gate.GB, poll_s=0.05, **kw)
+
+
+def test_the_gates_settings_are_the_declared_stream_keys_with_their_defaults():
+    """One truth: every stream.* key as declared in hsextract.settings (its default there),
+    nothing else; a config without stream keys gives the gate exactly those defaults."""
+    from dataclasses import fields
+
+    from hsextract.config import typed
+    from hsextract.settings import SETTINGS
+
+    declared = {
+        k.split(".", 1)[1]: s.default for k, s in SETTINGS.items() if k.startswith("stream.")
+    }
+    got = gate.StreamSettings(budget_gb=None)
+    assert {f.name: getattr(got, f.name) for f in fields(gate.StreamSettings)} == declared
+    base = {"output_root": "r", "max_seq_len": 64, "seed": 0, "engine": "reference",
+            "model": {"path": "m", "dtype": "float32"}}  # fmt: skip
+    cfg = typed({**base, "stream": {"budget_gb": 2.5}})
+    ss = gate.settings_of(cfg)
+    assert ss == gate.StreamSettings(**{**declared, "budget_gb": 2.5})
+    assert ss.budget_bytes == 2_500_000_000 and ss.low_mark == SETTINGS["stream.low_mark"].default
 
 
 def test_a_budget_below_the_trainer_window_is_refused_naming_the_numbers():
@@ -261,6 +364,87 @@ def test_the_summary_names_what_waits_for_the_trainer(tmp_path):
     assert info["unacked_bytes"] == (tmp_path / sides[1]["path"]).stat().st_size
     assert info["oldest_unacked"]["chunk"] == "chunk_00001"
     assert "chunk_00001 (seq 1)" in gate.waiting_text(info)
+
+
+def test_disk_in_use_is_sampled_through_a_streamed_run_and_its_peak_reported(tmp_path):
+    """A producer (gate, chunk written, announced by the chunk job's own after_chunk) fills
+    the budget and waits; a trainer reads and acks chunk by chunk.  The samples in
+    stream/usage.jsonl cover every step, and the report's peak is their maximum, within
+    the budget."""
+    from hsextract import report
+    from hsextract.records import INDEX_FORMAT
+    from hsextract.stream import producer
+
+    n, records, tokens = 8, 4, 400
+    index = tmp_path / "chunks" / "index.json"
+    index.parent.mkdir()
+    entries = [
+        {"path": f"chunks/chunk_{i:05d}.jsonl", "tokens": records * tokens} for i in range(n)
+    ]
+    index.write_text(json.dumps({"format": INDEX_FORMAT, "chunks": entries}))
+    scratch = write_chunk(tmp_path / "scratch", 0, records, tokens=tokens)
+    size = (tmp_path / "scratch" / scratch["path"]).stat().st_size
+    bpt = size // scratch["tokens"] + 1
+    # A window of 3 chunks (1 rank x 1 open + 1 between checkpoints + 1): room for ~3.5.
+    ss = settings(int(3.5 * records * tokens * bpt), prefetch_chunks=1, checkpoint_chunks=1)
+    errors: list[BaseException] = []
+
+    def produce() -> None:
+        try:
+            for i in range(n):
+                gate.wait_for_room(tmp_path, ss, chunk=f"chunk_{i:05d}", tokens=records * tokens,
+                                   raw_bytes_per_token=bpt, largest_tokens=records * tokens,
+                                   run_tokens=n * records * tokens)  # fmt: skip
+                side = write_chunk(tmp_path, i, records, tokens=tokens)
+                producer.after_chunk(ss, run_dir=tmp_path, sidecar=side, index=index,
+                                     hidden=tmp_path / side["path"], shapes=SHAPES)  # fmt: skip
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=produce, daemon=True)
+    t.start()
+    acks = journal.AckWriter(tmp_path)
+    try:
+        wait_for(lambda: gate.summary(tmp_path)["paused"] or bool(errors))
+        assert not errors and gate.summary(tmp_path)["announced"] == 3
+        prev = None
+        for s in StreamDataset(tmp_path, timeout_s=60):
+            if prev is not None and s["seq"] != prev:
+                acks.ack([prev])  # a checkpoint per chunk
+            prev = s["seq"]
+        acks.ack([prev])
+    finally:
+        acks.ack(list(range(n)))
+        t.join(60)
+    assert not errors and not t.is_alive()
+
+    samples = report.read_usage(tmp_path)
+    events = Counter(s["event"] for s in samples)
+    assert events["pass"] == n and events["announce"] == n and events["wait"] >= 1
+    assert events["delete"] >= 1
+    assert any(s["paused"] for s in samples) and not samples[-1]["paused"]
+    assert all(s["budget_bytes"] == ss.budget_bytes for s in samples)
+    peak = max(s["unacked_bytes"] for s in samples)
+    assert 3 * size <= peak <= ss.budget_bytes  # the budget filled, never passed
+    out = tmp_path / "report" / "disk_in_use.png"
+    section = report.stream_section(tmp_path, out)
+    assert section is not None and f"Peak unacknowledged chunk bytes {peak:,} (" in section
+    assert f"of the budget {ss.budget_bytes:,} (" in section and ", within it." in section
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out.unlink()
+    # The report rule's step puts it in run.html, the figure inline and beside it.
+    for name in ("manifest", "stats", "gate", "patch"):
+        (tmp_path / f"{name}.json").write_text('{"chunks": []}' if name == "manifest" else "{}")
+    figs = {
+        k: tmp_path / "report" / f"{k}.png" for k in ("lengths", "rejects", "chunks", "activations")
+    }
+    files = {k: tmp_path / f"{k}.json" for k in ("manifest", "stats", "gate", "patch", "server")}
+    report.make_all(**files, out={**figs, "run": tmp_path / "report" / "run.html"})
+    page = (tmp_path / "report" / "run.html").read_text()
+    assert f"Peak unacknowledged chunk bytes {peak:,} (" in page
+    assert "data:image/png;base64," in page and out.read_bytes()[:4] == b"\x89PNG"
+    # An offline run has no samples and no section.
+    assert report.stream_section(tmp_path / "scratch", tmp_path / "none.png") is None
 
 
 # -- reader ---------------------------------------------------------------------------

@@ -68,7 +68,7 @@ def test_train_while_extracting_within_a_budget_through_kills(tmp_path: Path) ->
     bpt = bytes_per_token(64, 3, "float32")  # the demo model: H 64, 3 aux layers
     stream = {"trainer_ranks": 2, "prefetch_chunks": 2, "checkpoint_chunks": 1,
               "low_mark": 0.85, "poll_s": 0.2}  # fmt: skip
-    ss = gate.StreamSettings(budget_bytes=0, **stream)
+    ss = gate.StreamSettings(**stream)
     w = ss.window_chunks()
     budget = int(max(w, (w - 1) / ss.low_mark) * max(tokens) * bpt) + 1000  # the least allowed
     cfg = yaml.safe_load((wd / "config.yaml").read_text())

@@ -66,7 +66,7 @@ def _settings(bpt: int) -> gate.StreamSettings:
     """Room for the trainer's window (1 rank x 2 open chunks + 1 between checkpoints + 1
     being written) and not much more: well under the run's bytes, so the producer waits."""
     est = RECORDS * TOKENS * bpt
-    return gate.StreamSettings(budget_bytes=int(4.5 * est), low_mark=0.75, trainer_ranks=1,
+    return gate.StreamSettings(budget_gb=4.5 * est / gate.GB, low_mark=0.75, trainer_ranks=1,
                                prefetch_chunks=2, checkpoint_chunks=1, poll_s=0.05)  # fmt: skip
 
 

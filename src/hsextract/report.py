@@ -3,11 +3,13 @@
 From files the run already wrote (no tensor is read): the merge's ``stats.json`` (length
 histogram, rejects by reason), each chunk's sidecar (tokens/s, bytes, seconds, and the
 activation statistics sampled while packing, :mod:`hsextract.stats`), the state files
-(GPU gate, patch, server launch record) and the manifest.
+(GPU gate, patch, server launch record), the manifest, and with a disk budget the
+stream's samples of disk in use (``stream/usage.jsonl``).
 """
 
 from __future__ import annotations
 
+import base64
 import html
 import json
 import os
@@ -141,6 +143,107 @@ def activations_figure(sidecars: list[dict], out: Path) -> None:
     _save(fig, out)
 
 
+def read_usage(run_dir: Path) -> list[dict]:
+    """The stream's disk-in-use samples (``stream/usage.jsonl``); none for an offline run."""
+    from hsextract.stream.gate import USAGE
+    from hsextract.stream.journal import read_lines, stream_dir
+
+    return read_lines(stream_dir(run_dir) / USAGE)
+
+
+def usage_peaks(samples: list[dict]) -> dict:
+    """What the report says of a streamed run: the peak of unacknowledged bytes (what the
+    budget bounds) and when, the peak of chunk files on disk, the budget, and how long
+    the gate was shut (chunk jobs waiting for the trainer)."""
+    peak = max(samples, key=lambda s: s["unacked_bytes"])
+    t0, t1 = samples[0]["at"], samples[-1]["at"]
+    shut = sum(b["at"] - a["at"] for a, b in zip(samples, samples[1:], strict=False) if a["paused"])
+    return {
+        "samples": len(samples),
+        "seconds": t1 - t0,
+        "peak_unacked_bytes": peak["unacked_bytes"],
+        "peak_unacked_after_s": peak["at"] - t0,
+        "peak_payload_bytes": max(s["payload_bytes"] for s in samples),
+        "budget_bytes": samples[-1]["budget_bytes"],
+        "shut_s": shut,
+    }
+
+
+def _dur(s: float) -> str:
+    return f"{s:.1f} s" if s < 100 else f"{s / 60:.1f} min"
+
+
+def _unit(top: float) -> tuple[float, str]:
+    return next((f, u) for f, u in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "KB"), (1, "B"))
+                if top >= f or u == "B")  # fmt: skip
+
+
+def disk_in_use_figure(samples: list[dict], out: Path) -> dict:
+    """Disk in use over a streamed run: chunk files on disk, the unacknowledged ones (what
+    the budget bounds) and those plus the chunk jobs' reservations, against the budget
+    line; the spans where the gate was shut are shaded.  Its :func:`usage_peaks`."""
+    peaks = usage_peaks(samples)
+    budget = peaks["budget_bytes"]
+    f, unit = _unit(max(budget, peaks["peak_payload_bytes"]))
+    t0 = samples[0]["at"]
+    mins = peaks["seconds"] > 300
+    x = [(s["at"] - t0) / (60 if mins else 1) for s in samples]
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    for key, label, color, lw in (
+        ("payload_bytes", "chunk files on disk", "#bbbbbb", 4),
+        ("unacked_bytes", "not yet acknowledged by the trainer", "#4477aa", 1.5),
+    ):
+        ax.step(x, [s[key] / f for s in samples], where="post", label=label, color=color, lw=lw)
+    ax.step(x, [(s["unacked_bytes"] + s["reserved_bytes"]) / f for s in samples], where="post",
+            label="+ chunk jobs' reservations", color="#4477aa", ls=":")  # fmt: skip
+    ax.axhline(budget / f, color="#cc3311", ls="--", label="stream.budget_gb")
+    for a, xa, xb in zip(samples, x, x[1:], strict=False):
+        if a["paused"]:
+            ax.axvspan(xa, xb, color="#ee7733", alpha=0.15, lw=0)
+    ax.set_xlabel("minutes" if mins else "seconds")
+    ax.set_ylabel(unit)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title(
+        f"peak unacknowledged {peaks['peak_unacked_bytes'] / f:.3g} {unit} of a "
+        f"{budget / f:.3g} {unit} budget; gate shut (shaded) {_dur(peaks['shut_s'])} "
+        f"of {_dur(peaks['seconds'])}",
+        fontsize=9,
+    )
+    _save(fig, out)
+    return peaks
+
+
+def usage_text(peaks: dict) -> str:
+    """The report's sentence on the budget: the peak in bytes, exactly, against it."""
+    from hsextract.budget import human
+
+    peak, budget = peaks["peak_unacked_bytes"], peaks["budget_bytes"]
+    verdict = "within" if peak <= budget else "OVER"
+    return (
+        f"Peak unacknowledged chunk bytes {peak:,} ({human(peak)}), "
+        f"{_dur(peaks['peak_unacked_after_s'])} into the stream: {100 * peak / budget:.1f} % of "
+        f"the budget {budget:,} ({human(budget)}), {verdict} it. Peak chunk files on disk "
+        f"{peaks['peak_payload_bytes']:,} ({human(peaks['peak_payload_bytes'])}); the gate was "
+        f"shut {_dur(peaks['shut_s'])} of {_dur(peaks['seconds'])} ({peaks['samples']} samples)."
+    )
+
+
+def stream_section(run_dir: Path, out: Path) -> str | None:
+    """A streamed run's part of the report (None for an offline run): the figure written
+    to ``out`` and an HTML section with :func:`usage_text` and the figure inline (the
+    report page must stand alone)."""
+    samples = read_usage(run_dir)
+    if not samples:
+        return None
+    peaks = disk_in_use_figure(samples, out)
+    png = base64.b64encode(Path(out).read_bytes()).decode()
+    return (
+        f"<h3>Train while extracting: disk in use</h3><p>{html.escape(usage_text(peaks))}</p>"
+        f"<img alt='disk in use over the run' src='data:image/png;base64,{png}'>"
+    )
+
+
 def run_table(
     manifest: dict,
     gate: dict,
@@ -148,8 +251,10 @@ def run_table(
     server: dict,
     out: Path,
     sidecars: list[dict] | None = None,
+    stream: str | None = None,
 ) -> None:
-    """Versions, the server command, the GPU gate's readings: one HTML page.
+    """Versions, the server command, the GPU gate's readings (and a streamed run's disk
+    in use, ``stream``: :func:`stream_section`): one HTML page.
 
     The server's version is the one the chunks' sidecars name (the server that produced
     them; launch_server records none, it does not wait for the server to answer).
@@ -200,6 +305,7 @@ def run_table(
         + "</table><h3>Patch</h3><table>"
         + patch_rows
         + "</table>"
+        + (stream or "")
     )
     head = (
         "<!doctype html><html><head><meta charset='utf-8'><title>run</title>"
@@ -232,4 +338,5 @@ def make_all(
         json.loads(Path(server).read_text()) if Path(server).exists() else {},
         out["run"],
         sidecars,
+        stream_section(root, Path(out["run"]).with_name("disk_in_use.png")),
     )

@@ -14,18 +14,19 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from hsextract.budget import human
+from hsextract.config_types import StreamConfig
 from hsextract.stream.journal import (
     ACKS,
+    DELETED,
     StreamError,
     StreamState,
     append_line,
     locked,
-    read_lines,
     read_state,
     stream_dir,
 )
@@ -35,7 +36,8 @@ log = logging.getLogger("hsextract")
 GB = 1e9
 INFLIGHT = "inflight"
 GATE = "gate.json"
-DELETED = "deleted.jsonl"
+#: Samples of disk in use through the run (the report's figure): one line per change.
+USAGE = "usage.jsonl"
 #: A chunk file's bytes beyond its rows (safetensors header, metadata), before one is seen.
 HEADER_SLACK = 1 << 16
 #: How often a waiting chunk job writes its progress line to the chunk's log.
@@ -46,18 +48,18 @@ class BudgetRefused(StreamError):
     """The budget cannot hold the trainer's window: the run would deadlock, so it never starts."""
 
 
-@dataclass(frozen=True)
-class StreamSettings:
-    """``stream.*`` as the gate uses it (built from the typed config by :func:`settings_of`)."""
+class StreamSettings(StreamConfig):
+    """``stream.*`` as the gate uses it: the typed config's own fields and defaults (each
+    declared once, with its help, in :mod:`hsextract.settings`), plus what the gate derives
+    from them.  No field of its own, so no second list of defaults can drift from the
+    declarations.  Built from a config by :func:`settings_of`; tests construct it directly
+    with ``budget_gb``."""
 
-    budget_bytes: int
-    low_mark: float = 0.75
-    passes: int = 1
-    epochs_mode: str = "keep"
-    trainer_ranks: int = 1
-    prefetch_chunks: int = 2
-    checkpoint_chunks: int = 2
-    poll_s: float = 2.0
+    @property
+    def budget_bytes(self) -> int:
+        if self.budget_gb is None:
+            raise StreamError("stream.budget_gb is null: the stream is off, there is no budget")
+        return round(self.budget_gb * GB)
 
     @property
     def final_pass(self) -> int:
@@ -76,16 +78,7 @@ def settings_of(cfg: Any) -> StreamSettings | None:
     s = getattr(cfg, "stream", None)
     if s is None or s.budget_gb is None:
         return None
-    return StreamSettings(
-        budget_bytes=int(s.budget_gb * GB),
-        low_mark=s.low_mark,
-        passes=s.passes,
-        epochs_mode=s.epochs_mode,
-        trainer_ranks=s.trainer_ranks,
-        prefetch_chunks=s.prefetch_chunks,
-        checkpoint_chunks=s.checkpoint_chunks,
-        poll_s=s.poll_s,
-    )
+    return StreamSettings(**{f.name: getattr(s, f.name) for f in fields(StreamConfig)})
 
 
 def check_window(ss: StreamSettings, largest_chunk_bytes: int, run_bytes: int) -> None:
@@ -102,7 +95,7 @@ def check_window(ss: StreamSettings, largest_chunk_bytes: int, run_bytes: int) -
     need = int(chunks * largest_chunk_bytes)
     if ss.budget_bytes < need:
         raise BudgetRefused(
-            f"stream.budget_gb {ss.budget_bytes / GB:.6g} ({human(ss.budget_bytes)}) is smaller "
+            f"stream.budget_gb {ss.budget_gb:.6g} ({human(ss.budget_bytes)}) is smaller "
             f"than the trainer's window: ({ss.trainer_ranks} ranks x {ss.prefetch_chunks} "
             f"chunks held (loader workers share their rank's) + {ss.checkpoint_chunks} chunks "
             f"between checkpoints + 1) = {w} chunks, or {w - 1} chunks / stream.low_mark "
@@ -115,7 +108,7 @@ def check_window(ss: StreamSettings, largest_chunk_bytes: int, run_bytes: int) -
         raise BudgetRefused(
             f"stream.epochs_mode keep with {ss.passes} passes keeps every chunk until the "
             f"last pass, ~{human(run_bytes)}, more than stream.budget_gb "
-            f"{ss.budget_bytes / GB:.6g} ({human(ss.budget_bytes)}): use epochs_mode "
+            f"{ss.budget_gb:.6g} ({human(ss.budget_bytes)}): use epochs_mode "
             "regenerate, one pass, or a budget of the whole run"
         )
 
@@ -190,6 +183,54 @@ def delete_acked(run_dir: Path, st: StreamState, final_pass: int) -> list[str]:
     return gone
 
 
+def usage_figures(run_dir: Path, st: StreamState, ss: StreamSettings) -> dict[str, Any]:
+    """Disk in use now: the announced chunks not acknowledged for good (what the budget
+    bounds), every announced payload still on disk (acked ones wait for the next gate or
+    announcement to delete them), the live reservations, and whether the gate is shut.
+    Only payloads the deletion log does not name are looked at (``stat``), so a sample
+    costs the chunks on disk, not the run's."""
+    sdir = stream_dir(run_dir)
+    present = {c["path"]: c for s, c in st.chunks.items() if s not in st.deleted}
+    return {
+        "unacked_bytes": unacked_bytes(run_dir, st, ss.final_pass),
+        "payload_bytes": sum(_on_disk(run_dir, c) for c in present.values()),
+        "reserved_bytes": sum(reservations(sdir).values()),
+        "paused": bool(_gate_state(sdir).get("paused")),
+        "budget_bytes": ss.budget_bytes,
+    }
+
+
+def record_usage(
+    run_dir: Path, st: StreamState, ss: StreamSettings, event: str, chunk: str,
+    last: dict[str, Any] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Append one durable sample of :func:`usage_figures` to ``usage.jsonl`` (the caller
+    holds the lock, so samples are in the order of what they saw), unless the figures are
+    ``last``'s: a gate polling while nothing changed adds no line.  The figures."""
+    figures = usage_figures(run_dir, st, ss)
+    if last is None or figures != {k: last.get(k) for k in figures}:
+        at = round(time.time(), 3)
+        append_line(stream_dir(run_dir) / USAGE, {"at": at, "event": event, "chunk": chunk,
+                                                  **figures})  # fmt: skip
+    return figures
+
+
+def after_announce(run_dir: Path, ss: StreamSettings, chunk: str) -> list[str]:
+    """A chunk job's last look, after announcing ``chunk``: a usage sample with it on
+    disk, then free what was acked while the chunk was made (or this chunk itself, redone
+    after its ack) -- now, not at the next chunk's gate, which the last chunks never
+    reach -- and a sample after that.  The payloads deleted."""
+    run_dir = Path(run_dir)
+    sdir = stream_dir(run_dir)
+    with locked(sdir):
+        st = read_state(sdir)
+        last = record_usage(run_dir, st, ss, "announce", chunk)
+        gone = delete_acked(run_dir, st, ss.final_pass)
+        if gone:
+            record_usage(run_dir, read_state(sdir), ss, "delete", chunk, last)
+    return gone
+
+
 def _gate_state(sdir: Path) -> dict[str, Any]:
     try:
         return json.loads((sdir / GATE).read_text())
@@ -235,6 +276,7 @@ def wait_for_room(
     last_report = -REPORT_EVERY_S
     last_seen: tuple[float, int] | None = None
     first = True
+    sampled: dict[str, Any] | None = None
     while True:
         with locked(sdir):
             st = read_state(sdir)
@@ -264,6 +306,7 @@ def wait_for_room(
                         "at": round(time.time(), 3),
                     },
                 )
+                record_usage(run_dir, st, ss, "pass", chunk)
                 return {
                     "waited_s": round(time.monotonic() - t0, 3),
                     "unacked_bytes": unacked,
@@ -273,6 +316,8 @@ def wait_for_room(
             if not gate.get("paused"):
                 gate = {"paused": True, "since": round(time.time(), 3), "by": chunk}
                 _write_json(sdir / GATE, gate)
+            # Shut, or still shut after an ack: a sample whenever what it sees changed.
+            sampled = record_usage(run_dir, st, ss, "wait", chunk, sampled)
         now = time.monotonic()
         if now - last_report >= REPORT_EVERY_S:
             last_report = now
@@ -315,7 +360,7 @@ def summary(run_dir: Path, final_pass: int = 1, *, budget_bytes: int | None = No
     st = read_state(sdir)
     unacked = st.unacked(final_pass)
     oldest = min(unacked, key=lambda c: c["at"], default=None)
-    deleted = read_lines(sdir / DELETED)
+    deleted = list(st.deleted.values())
     return {
         "announced": len(st.chunks),
         "acked": sum(1 for s in st.chunks if st.is_acked(s, final_pass)),

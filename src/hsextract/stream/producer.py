@@ -84,10 +84,7 @@ def after_chunk(
         )
     finally:
         gate.release(run_dir, chunk)
-    with journal.locked(journal.stream_dir(run_dir)):
-        # Acked while this chunk was made (or this one itself, redone after its ack):
-        # freed now, not at the next chunk's gate, which the last chunks never reach.
-        gate.delete_acked(run_dir, journal.read_state(journal.stream_dir(run_dir)), ss.final_pass)
+    gate.after_announce(run_dir, ss, chunk)  # a usage sample; what was acked meanwhile freed
     if new:
         log.info("%s: announced to the trainer as seq %d", chunk, seq)
     else:

@@ -32,6 +32,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from hsextract.chunkfile import ChunkFileError, sha256_file
 from hsextract.chunks import ChunkReader
+from hsextract.config_types import StreamConfig
 from hsextract.stream.journal import JOURNAL, AckWriter, StreamError, read_state, stream_dir
 
 LAYOUTS = ("raw", "specforge", "speculators")
@@ -76,7 +77,7 @@ class StreamDataset(IterableDataset):
         world: int = 1,
         seed: int = 0,
         layout: str = "raw",
-        epochs_mode: str = "keep",
+        epochs_mode: str = StreamConfig.epochs_mode,
         poll_s: float = 0.05,
         timeout_s: float | None = None,
     ) -> None:
@@ -270,7 +271,7 @@ def consumed_seqs(
     *,
     rank: int,
     world: int,
-    epochs_mode: str = "keep",
+    epochs_mode: str = StreamConfig.epochs_mode,
 ) -> list[int]:
     """The seqs this rank's loader state has read to the end in every worker: what a
     checkpoint holding that state covers, so what may be acked once it commits.

@@ -23,6 +23,7 @@ from typing import Any
 from specforge.algorithms.eagle3.data import build_offline_collator, build_offline_normalizer
 from torch.utils.data import IterableDataset
 
+from hsextract.config_types import StreamConfig
 from hsextract.stream.reader import StreamDataset
 
 
@@ -42,7 +43,7 @@ class SpecForgeStreamDataset(IterableDataset):
         rank: int = 0,
         world: int = 1,
         seed: int = 0,
-        epochs_mode: str = "keep",
+        epochs_mode: str = StreamConfig.epochs_mode,
         timeout_s: float | None = None,
     ) -> None:
         self.stream = StreamDataset(run_dir, rank=rank, world=world, seed=seed,

@@ -45,6 +45,7 @@ from speculators.train.distributed_batch_sampler import _assign_to_packed_batche
 from torch.utils.data import DataLoader, Sampler
 
 from hsextract.chunks import ChunkReader
+from hsextract.config_types import StreamConfig
 from hsextract.stream.journal import JOURNAL, StreamError, read_state, stream_dir
 from hsextract.stream.reader import StreamDataset, _seed_of, _wait_change, speculators_sample
 
@@ -70,7 +71,7 @@ class StreamSpeculatorsDataset(BaseDataset):
         max_len: int,
         *,
         hidden_states_dtype: torch.dtype = torch.bfloat16,
-        epochs_mode: str = "keep",
+        epochs_mode: str = StreamConfig.epochs_mode,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.epochs_mode = epochs_mode
@@ -139,7 +140,7 @@ class StreamPackingSampler(Sampler[list[Key]]):
         rank: int = 0,
         world: int = 1,
         seed: int = 0,
-        epochs_mode: str = "keep",
+        epochs_mode: str = StreamConfig.epochs_mode,
         poll_s: float = 0.05,
         timeout_s: float | None = None,
     ) -> None:
@@ -293,7 +294,7 @@ def speculators_loader(
     rank: int = 0,
     world: int = 1,
     seed: int = 0,
-    epochs_mode: str = "keep",
+    epochs_mode: str = StreamConfig.epochs_mode,
     timeout_s: float | None = None,
 ) -> DataLoader:
     """speculators' training ``DataLoader`` as its ``_setup_dataloader`` builds it (its
