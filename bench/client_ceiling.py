@@ -312,15 +312,16 @@ def _timed(owner: object, name: str, phase: str) -> None:
     fn = getattr(owner, name)
 
     def wrapper(*a, **k):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         try:
             return fn(*a, **k)
         finally:
-            dt = time.perf_counter() - t
+            dt, dc = time.perf_counter() - t, time.thread_time() - c
             with _PHASES_LOCK:
-                cell = _PHASES.setdefault(phase, [0.0, 0])
+                cell = _PHASES.setdefault(phase, [0.0, 0, 0.0])
                 cell[0] += dt
                 cell[1] += 1
+                cell[2] += dc  # this thread's CPU in the call (GIL held or not)
 
     wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
     setattr(owner, name, wrapper)
@@ -349,6 +350,7 @@ def _job_init() -> None:
     _timed(records, "load_chunk", "per chunk: load records")
     _timed(chunks.ChunkWriter, "finish", "per chunk: finish (fsync, sha256)")
     _timed(chunks, "check_chunk", "per chunk: check_chunk")
+    _timed(chunks, "sha256_file", "per chunk: sha256 (its own thread)")
     # What extract_chunk imports on its first call: a process start cost, not a request's.
     import requests  # noqa: F401
     import tqdm  # noqa: F401
@@ -684,13 +686,22 @@ def one_cell(a, work: Path, chunks, index, length: int, k: int, dp: int, pools, 
             if name != "bare":
                 phases: dict[str, list[float]] = {}
                 for r in res:
-                    for p, (s, c) in r["phases"].items():
-                        cur = phases.setdefault(p, [0.0, 0])
+                    for p, (s, c, cpu) in r["phases"].items():
+                        cur = phases.setdefault(p, [0.0, 0, 0.0])
                         cur[0] += s
                         cur[1] += c
+                        cur[2] += cpu
                 row["phase_ms_per_request"] = {
-                    p: round(s / max(recs, 1) * 1e3, 3) for p, (s, _) in phases.items()
+                    p: round(s / max(recs, 1) * 1e3, 3) for p, (s, _, _) in phases.items()
                 }
+                # CPU, not wall: what each phase costs the job's cores (each thread's own
+                # time in the call), and the whole process's CPU per request beside it.
+                row["phase_cpu_ms_per_request"] = {
+                    p: round(cpu / max(recs, 1) * 1e3, 3) for p, (_, _, cpu) in phases.items()
+                }
+                row["cpu_ms_per_request"] = round(
+                    sum(r["cpu_s"] for r in res) / max(recs, 1) * 1e3, 3
+                )
                 row["abandoned"] = sum(r["abandoned_requests"] for r in res)
                 row["stored_bytes_ratio"] = round(
                     sum(r["bytes"] for r in res) / max(1, sum(r["states_raw_bytes"] for r in res)),
@@ -881,6 +892,16 @@ def main() -> None:
             parts = sorted(r["phase_ms_per_request"].items(), key=lambda kv: -kv[1])
             say(f"  L{r['length']} aux{r['layers']} dp{r['dp']} {r['mode']}: "
                 + "; ".join(f"{p} {ms:.3f}" for p, ms in parts))  # fmt: skip
+        say("")
+        say("per request, client side: CPU ms by phase (each thread's own CPU in the call, "
+            "GIL held or not), and the chunk jobs' whole CPU per request")  # fmt: skip
+        for r in rows:
+            if r["mode"] != "client":
+                continue
+            parts = sorted(r["phase_cpu_ms_per_request"].items(), key=lambda kv: -kv[1])
+            cells = [f"{p} {ms:.3f}" for p, ms in parts]
+            say(f"  L{r['length']} aux{r['layers']} dp{r['dp']}: total "
+                f"{r['cpu_ms_per_request']:.3f}; " + "; ".join(cells))  # fmt: skip
         leftovers = sum(r["leftover_request_dirs"] for r in rows)
         say(f"leftover request dirs in the dump dirs: {leftovers}")
         prof = ""
