@@ -347,6 +347,9 @@ def _job_init() -> None:
     _timed(client._Window, "acquire", "wait: window")
     _timed(budget.SharedByteBudget, "acquire", "wait: shm budget")
     _timed(budget.SharedByteBudget, "release", "shm budget release")
+    # The shared ledger's scan, under its flock (a visit to the ledger).
+    scan = "_scan" if hasattr(budget.SharedByteBudget, "_scan") else "_used"
+    _timed(budget.SharedByteBudget, scan, "shm ledger: lock held, scan")
     _timed(records, "load_chunk", "per chunk: load records")
     _timed(chunks.ChunkWriter, "finish", "per chunk: finish (fsync, sha256)")
     _timed(chunks, "check_chunk", "per chunk: check_chunk")
@@ -699,6 +702,9 @@ def one_cell(a, work: Path, chunks, index, length: int, k: int, dp: int, pools, 
                 row["phase_cpu_ms_per_request"] = {
                     p: round(cpu / max(recs, 1) * 1e3, 3) for p, (_, _, cpu) in phases.items()
                 }
+                row["phase_calls_per_request"] = {
+                    p: round(c / max(recs, 1), 3) for p, (_, c, _) in phases.items()
+                }
                 row["cpu_ms_per_request"] = round(
                     sum(r["cpu_s"] for r in res) / max(recs, 1) * 1e3, 3
                 )
@@ -900,8 +906,10 @@ def main() -> None:
                 continue
             parts = sorted(r["phase_cpu_ms_per_request"].items(), key=lambda kv: -kv[1])
             cells = [f"{p} {ms:.3f}" for p, ms in parts]
+            visits = r["phase_calls_per_request"].get("shm ledger: lock held, scan", 0)
             say(f"  L{r['length']} aux{r['layers']} dp{r['dp']}: total "
-                f"{r['cpu_ms_per_request']:.3f}; " + "; ".join(cells))  # fmt: skip
+                f"{r['cpu_ms_per_request']:.3f}; " + "; ".join(cells)
+                + f"; shm ledger visits per request {visits:.3f}")  # fmt: skip
         leftovers = sum(r["leftover_request_dirs"] for r in rows)
         say(f"leftover request dirs in the dump dirs: {leftovers}")
         prof = ""
