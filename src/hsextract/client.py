@@ -14,14 +14,15 @@ once with the evidence: chunk, record id, rid, ranges, file.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import http.client
 import itertools
 import json
 import logging
 import math
-import mmap
 import os
+import queue
 import select
 import shutil
 import sys
@@ -40,7 +41,7 @@ import torch
 
 from hsextract.capture import ABANDONED_DIR, PIECE_SUFFIX
 from hsextract.errors import HsextractError
-from hsextract.stats import LayerStats, layer_names
+from hsextract.stats import SAMPLE_EVERY, LayerStats, layer_names
 
 if TYPE_CHECKING:
     from hsextract.config import Config
@@ -107,18 +108,22 @@ def read_pieces(rid_dir: Path, length: int, timeout_s: float) -> list[dict]:
     renames a piece into place whole, so what is visible is complete); polls only look
     for new names.  The piece stays open (its fd keeps the bytes even once the file is
     unlinked) and only its small ids tensor is read: the hidden and aux rows never enter
-    Python memory.  ``assemble`` checks them through a read-only mapping and
-    ``ChunkWriter.put_files`` copies them file to file in the kernel (bench/pack.py: the
-    copies into fresh memory and their page faults cost more than the copy itself).
+    Python memory whole.  ``assemble`` checks them a slice at a time in a reused buffer
+    and ``ChunkWriter.put_files`` copies them file to file in the kernel (bench/pack.py:
+    the copies into fresh memory and their page faults cost more than the copy itself).
+    A poll is one ``listdir`` (no pathlib glob: its Python held the job's GIL).
     """
     deadline = time.monotonic() + timeout_s
     delay = 0.002
     opened: dict[str, dict] = {}
     try:
         while True:
-            names = (
-                sorted(p.name for p in rid_dir.glob(f"*{PIECE_SUFFIX}")) if rid_dir.is_dir() else []
-            )
+            try:
+                names = sorted(
+                    n for n in os.listdir(rid_dir) if n.endswith(PIECE_SUFFIX) and n[0] != "."
+                )
+            except (FileNotFoundError, NotADirectoryError):
+                names = []
             for name in names:
                 if name not in opened:
                     try:
@@ -350,28 +355,55 @@ def _assemble(pieces: list[dict], sent: list[int], geo: Geometry, where: str) ->
     )
 
 
+#: Bytes of rows a finiteness check reads at a time (``_piece_finite``).
+CHECK_SLICE_BYTES = 4 << 20
+#: Check buffers not in use, reused from request to request (allocated as needed).
+_CHECK_BUFFERS: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+#: At most this many checks at once per process: each holds a buffer, and they are
+#: CPU-bound, so more than the cores would only hold more memory.
+_CHECK_SLOTS = threading.BoundedSemaphore(max(2, os.cpu_count() or 2))
+
+
 def _piece_finite(
     piece: dict, keys: Iterable[str], stats: LayerStats | None = None, k: int = 0
 ) -> bool:
-    """Are the piece's float tensors all finite?  Checked through a private read-only
-    mapping of the file (no copy; tmpfs pages are mapped as they are).  On the way, the
-    sampled activation statistics (:mod:`hsextract.stats`) of its layers."""
-    size = os.fstat(piece["fd"]).st_size
-    if size == 0:
-        return True
-    with mmap.mmap(piece["fd"], size, access=mmap.ACCESS_COPY) as mm:
-        for key in keys:
-            dtype, shape, offset, nbytes = piece["layout"][key]
-            if not nbytes:
-                continue
-            t = torch.frombuffer(mm, dtype=dtype, count=math.prod(shape), offset=offset)
-            finite = _all_finite(t)
-            if finite and stats is not None:
+    """Are the piece's float tensors all finite?  On the way, the sampled activation
+    statistics (:mod:`hsextract.stats`) of its layers.
+
+    Read ``CHECK_SLICE_BYTES`` of rows at a time into a buffer reused across requests,
+    not mapped: unmapping a mapping holds the GIL (CPython's ``mmap.close``), and a
+    mapping's page faults and its teardown's TLB shootdowns in a process of many threads
+    cost more than the copy (issue 40: ~0.6 ms a 4 MB request, the sender threads of the
+    job stalled meanwhile).  ``preadv`` and the torch reductions release the GIL.  Slices
+    start at a multiple of the statistics' sampling step, so they sample the same rows."""
+    fd = piece["fd"]
+    with _CHECK_SLOTS:
+        try:
+            buf = _CHECK_BUFFERS.get_nowait()
+        except queue.Empty:
+            buf = torch.empty(CHECK_SLICE_BYTES, dtype=torch.uint8)
+        try:
+            for key in keys:
+                dtype, shape, offset, nbytes = piece["layout"][key]
+                if not nbytes:
+                    continue
+                rows, cols = shape
+                row_bytes = nbytes // rows
+                step = max(1, CHECK_SLICE_BYTES // row_bytes // SAMPLE_EVERY) * SAMPLE_EVERY
+                if step * row_bytes > buf.numel():  # rows wider than a slice
+                    buf = torch.empty(step * row_bytes, dtype=torch.uint8)
                 aux = key == "aux_hidden_states"
-                stats.add_rows(0 if aux else k, t.view(shape), k if aux else 1)
-            del t  # the mapping cannot close while a view of it lives
-            if not finite:
-                return False
+                for r0 in range(0, rows, step):
+                    n = min(step, rows - r0)
+                    view = buf[: n * row_bytes]
+                    _pread_into(fd, view, offset + r0 * row_bytes)
+                    t = view.view(dtype).view(n, cols)
+                    if not _all_finite(t):
+                        return False
+                    if stats is not None:
+                        stats.add_rows(0 if aux else k, t, k if aux else 1)
+        finally:
+            _CHECK_BUFFERS.put(buf)
     return True
 
 
@@ -382,6 +414,28 @@ def _all_finite(t: torch.Tensor) -> bool:
     if bool(torch.isfinite(t.sum())):
         return True
     return bool(torch.isfinite(t).all())
+
+
+def _remove_request_dir(rid_dir: Path) -> None:
+    """Unlink a request's pieces and remove its dir.  The usual case, a dir of pieces, is
+    a listdir, an unlink each and a rmdir (``shutil.rmtree``'s Python walk held the job's
+    GIL); anything else in it (a subdir, a piece landing meanwhile) goes to rmtree."""
+    try:
+        names = os.listdir(rid_dir)
+    except FileNotFoundError:
+        return
+    except OSError:
+        shutil.rmtree(rid_dir, ignore_errors=True)
+        return
+    try:
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(rid_dir, name))
+        os.rmdir(rid_dir)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        shutil.rmtree(rid_dir, ignore_errors=True)
 
 
 def _text(data: bytes, n: int) -> str:
@@ -438,9 +492,20 @@ class _DirectHttp:
 
     def post(self, url: str, path: str, body: bytes) -> tuple[int, bytes]:
         conn = self._conn(url)
+        reused = conn.sock is not None
         try:
-            conn.request("POST", self._local.base + path, body, self.headers)
-            resp = conn.getresponse()
+            try:
+                conn.request("POST", self._local.base + path, body, self.headers)
+                resp = conn.getresponse()
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                if not reused:
+                    raise
+                # The server closed the kept-alive connection as the request went out (its
+                # idle timeout): it never read it.  Once more on a new connection; a server
+                # that died refuses that one, a transient error as before.
+                conn.close()
+                conn.request("POST", self._local.base + path, body, self.headers)
+                resp = conn.getresponse()
             data = resp.read()
         except TimeoutError as exc:
             conn.close()
@@ -625,7 +690,7 @@ class Client:
                     f"{msg} (permanent, not retried; server log: {self._server_log()})"
                 ) from None
             finally:
-                shutil.rmtree(rid_dir, ignore_errors=True)
+                _remove_request_dir(rid_dir)
         raise ExtractionError(
             f"{where}: gave up after {self.retries + 1} attempts (client.retries="
             f"{self.retries}): {last}. Check the server log {self._server_log()}, then rerun "
