@@ -312,15 +312,16 @@ def _timed(owner: object, name: str, phase: str) -> None:
     fn = getattr(owner, name)
 
     def wrapper(*a, **k):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         try:
             return fn(*a, **k)
         finally:
-            dt = time.perf_counter() - t
+            dt, dc = time.perf_counter() - t, time.thread_time() - c
             with _PHASES_LOCK:
-                cell = _PHASES.setdefault(phase, [0.0, 0])
+                cell = _PHASES.setdefault(phase, [0.0, 0, 0.0])
                 cell[0] += dt
                 cell[1] += 1
+                cell[2] += dc  # this thread's CPU in the call (GIL held or not)
 
     wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
     setattr(owner, name, wrapper)
@@ -346,9 +347,13 @@ def _job_init() -> None:
     _timed(client._Window, "acquire", "wait: window")
     _timed(budget.SharedByteBudget, "acquire", "wait: shm budget")
     _timed(budget.SharedByteBudget, "release", "shm budget release")
+    # The shared ledger's scan, under its flock (a visit to the ledger).
+    scan = "_scan" if hasattr(budget.SharedByteBudget, "_scan") else "_used"
+    _timed(budget.SharedByteBudget, scan, "shm ledger: lock held, scan")
     _timed(records, "load_chunk", "per chunk: load records")
     _timed(chunks.ChunkWriter, "finish", "per chunk: finish (fsync, sha256)")
     _timed(chunks, "check_chunk", "per chunk: check_chunk")
+    _timed(chunks, "sha256_file", "per chunk: sha256 (its own thread)")
     # What extract_chunk imports on its first call: a process start cost, not a request's.
     import requests  # noqa: F401
     import tqdm  # noqa: F401
@@ -684,13 +689,25 @@ def one_cell(a, work: Path, chunks, index, length: int, k: int, dp: int, pools, 
             if name != "bare":
                 phases: dict[str, list[float]] = {}
                 for r in res:
-                    for p, (s, c) in r["phases"].items():
-                        cur = phases.setdefault(p, [0.0, 0])
+                    for p, (s, c, cpu) in r["phases"].items():
+                        cur = phases.setdefault(p, [0.0, 0, 0.0])
                         cur[0] += s
                         cur[1] += c
+                        cur[2] += cpu
                 row["phase_ms_per_request"] = {
-                    p: round(s / max(recs, 1) * 1e3, 3) for p, (s, _) in phases.items()
+                    p: round(s / max(recs, 1) * 1e3, 3) for p, (s, _, _) in phases.items()
                 }
+                # CPU, not wall: what each phase costs the job's cores (each thread's own
+                # time in the call), and the whole process's CPU per request beside it.
+                row["phase_cpu_ms_per_request"] = {
+                    p: round(cpu / max(recs, 1) * 1e3, 3) for p, (_, _, cpu) in phases.items()
+                }
+                row["phase_calls_per_request"] = {
+                    p: round(c / max(recs, 1), 3) for p, (_, c, _) in phases.items()
+                }
+                row["cpu_ms_per_request"] = round(
+                    sum(r["cpu_s"] for r in res) / max(recs, 1) * 1e3, 3
+                )
                 row["abandoned"] = sum(r["abandoned_requests"] for r in res)
                 row["stored_bytes_ratio"] = round(
                     sum(r["bytes"] for r in res) / max(1, sum(r["states_raw_bytes"] for r in res)),
@@ -786,7 +803,7 @@ def main() -> None:
     ap.add_argument("--work-root", default="/dev/shm",
                     help="where its work dir (records, chunk files, dump dir) is made")  # fmt: skip
     ap.add_argument("--no-profile", action="store_true")
-    ap.add_argument("--quick", action="store_true", help="tiny sizes: seconds (the test's)")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, every cell: seconds")
     a = ap.parse_args()
     if a.quick:  # tiny sizes, where not given
         quick = {
@@ -854,7 +871,9 @@ def main() -> None:
         for i, (L, k, d) in enumerate(cells):
             # A cell's rounds can outlast its share (a round is every chunk once): stop at the
             # budget rather than be killed by the caller's limit with nothing reported.
-            if time.monotonic() - started > a.budget_s:
+            # --quick runs every cell whatever the clock says: its budget sizes the cells'
+            # shares (a loaded machine's setup alone can outlast it: none would run).
+            if not a.quick and time.monotonic() - started > a.budget_s:
                 say(f"--budget-s {a.budget_s:.0f} spent: {len(cells) - i} cell(s) not run")
                 break
             chunks, index = data[L]
@@ -881,6 +900,18 @@ def main() -> None:
             parts = sorted(r["phase_ms_per_request"].items(), key=lambda kv: -kv[1])
             say(f"  L{r['length']} aux{r['layers']} dp{r['dp']} {r['mode']}: "
                 + "; ".join(f"{p} {ms:.3f}" for p, ms in parts))  # fmt: skip
+        say("")
+        say("per request, client side: CPU ms by phase (each thread's own CPU in the call, "
+            "GIL held or not), and the chunk jobs' whole CPU per request")  # fmt: skip
+        for r in rows:
+            if r["mode"] != "client":
+                continue
+            parts = sorted(r["phase_cpu_ms_per_request"].items(), key=lambda kv: -kv[1])
+            cells = [f"{p} {ms:.3f}" for p, ms in parts]
+            visits = r["phase_calls_per_request"].get("shm ledger: lock held, scan", 0)
+            say(f"  L{r['length']} aux{r['layers']} dp{r['dp']}: total "
+                f"{r['cpu_ms_per_request']:.3f}; " + "; ".join(cells)
+                + f"; shm ledger visits per request {visits:.3f}")  # fmt: skip
         leftovers = sum(r["leftover_request_dirs"] for r in rows)
         say(f"leftover request dirs in the dump dirs: {leftovers}")
         prof = ""

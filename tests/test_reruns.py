@@ -353,12 +353,13 @@ def test_dump_space_stays_within_the_budget_with_two_jobs(demo_run, tmp_path, mo
     jobs' windows (two in flight each, more while the other job holds no sending turn:
     client._Window) would take more, so they must share.  Held on an event, not on slow
     passes or on the client's speed: the first extend pass (one request, cut by the
-    257-token chunk, so nothing completes) waits until the shared ledger holds three
-    reservations and the server holds the two requests besides the held one (running or
-    queued).  With the server held no request can finish and no reservation can be given
-    back, so that state is reached on every machine, and a fourth request would be refused
-    by the budget alone; which job holds the three depends on which took its turn first,
-    so that both reserved from the one ledger is checked over the whole run.  (Pieces of
+    257-token chunk, so nothing completes) waits until the server holds the two requests
+    besides the held one (running or queued), each reserved in the shared ledger (the
+    jobs' leases) before it was sent.  With the server held no request can finish and no
+    reservation can be given back, so that state is reached on every machine, and a fourth
+    request would be refused by the budget alone; which job holds the three depends on
+    which took its turn first, so that both reserved from the one ledger is checked over
+    the whole run.  (Pieces of
     both jobs at one moment are not a deterministic event: a finished request's pieces are
     consumed by its client while the server is held.)
     """
@@ -429,10 +430,11 @@ def test_dump_space_stays_within_the_budget_with_two_jobs(demo_run, tmp_path, mo
                 # All three at the server, whether admitted to its running batch or
                 # still queued: which, depends on when each arrived (SGLang admits all
                 # that fit before a pass), so only their sum is deterministic.
-                if ready and len(taken) == 3:
-                    if info["running"] + info["waiting"] == 3:
-                        at_hold = {"ledger": taken, "pieces": pieces, "info": info}
-                        gate.touch()
+                # Each job's requests are reserved in its lease (one ledger entry a
+                # job, budget.SharedByteBudget): the three at the server are in it.
+                if ready and info["running"] + info["waiting"] == 3:
+                    at_hold = {"ledger": taken, "pieces": pieces, "info": info}
+                    gate.touch()
             time.sleep(0.002)
     finally:
         gate.touch()
@@ -441,7 +443,7 @@ def test_dump_space_stays_within_the_budget_with_two_jobs(demo_run, tmp_path, mo
     out = proc.stdout.read()
     assert proc.returncode == 0, out[-4000:]
     assert [w["fault"] for w in held()] == ["wait"], held()
-    assert at_hold is not None, "the run ended without the budget's three reservations at once"
+    assert at_hold is not None, "the run ended without the budget's three requests at once"
     assert len(owners) == 2, owners  # both jobs reserved from the one ledger
     # The jobs reserved from the one budget while nothing could be freed, and the three
     # reservations fit it (a fourth of >= 400 tokens would not).

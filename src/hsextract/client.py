@@ -14,17 +14,21 @@ once with the evidence: chunk, record id, rid, ranges, file.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import http.client
 import itertools
 import json
 import logging
 import math
-import mmap
 import os
+import queue
+import select
 import shutil
 import sys
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -32,11 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import orjson
 import torch
 
 from hsextract.capture import ABANDONED_DIR, PIECE_SUFFIX
 from hsextract.errors import HsextractError
-from hsextract.stats import LayerStats, layer_names
+from hsextract.stats import SAMPLE_EVERY, LayerStats, layer_names
 
 if TYPE_CHECKING:
     from hsextract.config import Config
@@ -103,18 +108,22 @@ def read_pieces(rid_dir: Path, length: int, timeout_s: float) -> list[dict]:
     renames a piece into place whole, so what is visible is complete); polls only look
     for new names.  The piece stays open (its fd keeps the bytes even once the file is
     unlinked) and only its small ids tensor is read: the hidden and aux rows never enter
-    Python memory.  ``assemble`` checks them through a read-only mapping and
-    ``ChunkWriter.put_files`` copies them file to file in the kernel (bench/pack.py: the
-    copies into fresh memory and their page faults cost more than the copy itself).
+    Python memory whole.  ``assemble`` checks them a slice at a time in a reused buffer
+    and ``ChunkWriter.put_files`` copies them file to file in the kernel (bench/pack.py:
+    the copies into fresh memory and their page faults cost more than the copy itself).
+    A poll is one ``listdir`` (no pathlib glob: its Python held the job's GIL).
     """
     deadline = time.monotonic() + timeout_s
     delay = 0.002
     opened: dict[str, dict] = {}
     try:
         while True:
-            names = (
-                sorted(p.name for p in rid_dir.glob(f"*{PIECE_SUFFIX}")) if rid_dir.is_dir() else []
-            )
+            try:
+                names = sorted(
+                    n for n in os.listdir(rid_dir) if n.endswith(PIECE_SUFFIX) and n[0] != "."
+                )
+            except (FileNotFoundError, NotADirectoryError):
+                names = []
             for name in names:
                 if name not in opened:
                     try:
@@ -346,28 +355,55 @@ def _assemble(pieces: list[dict], sent: list[int], geo: Geometry, where: str) ->
     )
 
 
+#: Bytes of rows a finiteness check reads at a time (``_piece_finite``).
+CHECK_SLICE_BYTES = 4 << 20
+#: Check buffers not in use, reused from request to request (allocated as needed).
+_CHECK_BUFFERS: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+#: At most this many checks at once per process: each holds a buffer, and they are
+#: CPU-bound, so more than the cores would only hold more memory.
+_CHECK_SLOTS = threading.BoundedSemaphore(max(2, os.cpu_count() or 2))
+
+
 def _piece_finite(
     piece: dict, keys: Iterable[str], stats: LayerStats | None = None, k: int = 0
 ) -> bool:
-    """Are the piece's float tensors all finite?  Checked through a private read-only
-    mapping of the file (no copy; tmpfs pages are mapped as they are).  On the way, the
-    sampled activation statistics (:mod:`hsextract.stats`) of its layers."""
-    size = os.fstat(piece["fd"]).st_size
-    if size == 0:
-        return True
-    with mmap.mmap(piece["fd"], size, access=mmap.ACCESS_COPY) as mm:
-        for key in keys:
-            dtype, shape, offset, nbytes = piece["layout"][key]
-            if not nbytes:
-                continue
-            t = torch.frombuffer(mm, dtype=dtype, count=math.prod(shape), offset=offset)
-            finite = _all_finite(t)
-            if finite and stats is not None:
+    """Are the piece's float tensors all finite?  On the way, the sampled activation
+    statistics (:mod:`hsextract.stats`) of its layers.
+
+    Read ``CHECK_SLICE_BYTES`` of rows at a time into a buffer reused across requests,
+    not mapped: unmapping a mapping holds the GIL (CPython's ``mmap.close``), and a
+    mapping's page faults and its teardown's TLB shootdowns in a process of many threads
+    cost more than the copy (issue 40: ~0.6 ms a 4 MB request, the sender threads of the
+    job stalled meanwhile).  ``preadv`` and the torch reductions release the GIL.  Slices
+    start at a multiple of the statistics' sampling step, so they sample the same rows."""
+    fd = piece["fd"]
+    with _CHECK_SLOTS:
+        try:
+            buf = _CHECK_BUFFERS.get_nowait()
+        except queue.Empty:
+            buf = torch.empty(CHECK_SLICE_BYTES, dtype=torch.uint8)
+        try:
+            for key in keys:
+                dtype, shape, offset, nbytes = piece["layout"][key]
+                if not nbytes:
+                    continue
+                rows, cols = shape
+                row_bytes = nbytes // rows
+                step = max(1, CHECK_SLICE_BYTES // row_bytes // SAMPLE_EVERY) * SAMPLE_EVERY
+                if step * row_bytes > buf.numel():  # rows wider than a slice
+                    buf = torch.empty(step * row_bytes, dtype=torch.uint8)
                 aux = key == "aux_hidden_states"
-                stats.add_rows(0 if aux else k, t.view(shape), k if aux else 1)
-            del t  # the mapping cannot close while a view of it lives
-            if not finite:
-                return False
+                for r0 in range(0, rows, step):
+                    n = min(step, rows - r0)
+                    view = buf[: n * row_bytes]
+                    _pread_into(fd, view, offset + r0 * row_bytes)
+                    t = view.view(dtype).view(n, cols)
+                    if not _all_finite(t):
+                        return False
+                    if stats is not None:
+                        stats.add_rows(0 if aux else k, t, k if aux else 1)
+        finally:
+            _CHECK_BUFFERS.put(buf)
     return True
 
 
@@ -378,6 +414,136 @@ def _all_finite(t: torch.Tensor) -> bool:
     if bool(torch.isfinite(t.sum())):
         return True
     return bool(torch.isfinite(t).all())
+
+
+def _remove_request_dir(rid_dir: Path) -> None:
+    """Unlink a request's pieces and remove its dir.  The usual case, a dir of pieces, is
+    a listdir, an unlink each and a rmdir (``shutil.rmtree``'s Python walk held the job's
+    GIL); anything else in it (a subdir, a piece landing meanwhile) goes to rmtree."""
+    try:
+        names = os.listdir(rid_dir)
+    except FileNotFoundError:
+        return
+    except OSError:
+        shutil.rmtree(rid_dir, ignore_errors=True)
+        return
+    try:
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(rid_dir, name))
+        os.rmdir(rid_dir)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        shutil.rmtree(rid_dir, ignore_errors=True)
+
+
+def _text(data: bytes, n: int) -> str:
+    return data[: 4 * n].decode("utf-8", "replace")[:n]
+
+
+def _direct_ok(url: str, trust_env: bool) -> bool:
+    """Whether POSTs to ``url`` may skip requests: plain http, and nothing requests would
+    take from the environment applies (a proxy for that host, .netrc credentials; read
+    once per server, where requests reads them on every request)."""
+    if not url.startswith("http://"):
+        return False
+    if not trust_env:
+        return True
+    from requests.utils import get_environ_proxies, get_netrc_auth
+
+    return not get_environ_proxies(url) and get_netrc_auth(url) is None
+
+
+class _DirectHttp:
+    """POSTs over one kept-alive ``http.client`` connection per sender thread.
+
+    Why: a chunk job's sender threads share one GIL, so the Python a request costs bounds
+    the job's request rate; requests and urllib3 (request preparation, hooks, adapters,
+    the pool's bookkeeping, header objects) were the largest share of it (issue 40,
+    bench/client_ceiling.py).  Request line, headers and body go out in one send.  A
+    connection the server closed while idle (a restart, its keep-alive timeout) is
+    noticed before reuse and reopened; any failure to get a whole answer drops the
+    connection and is a ``TransientError``, as requests' connection errors were.
+    """
+
+    def __init__(self, headers: dict[str, str], timeout: float) -> None:
+        self.headers = {"Content-Type": "application/json", **headers}
+        self.timeout = timeout
+        self._local = threading.local()
+        self._all: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+
+    def _conn(self, url: str) -> http.client.HTTPConnection:
+        loc = self._local
+        conn = getattr(loc, "conn", None)
+        if conn is not None and (loc.url != url or _dropped(conn)):
+            conn.close()
+            conn = None
+        if conn is None:
+            parts = urllib.parse.urlsplit(url)
+            conn = http.client.HTTPConnection(
+                parts.hostname or "", parts.port or 80, timeout=self.timeout
+            )
+            loc.conn, loc.url, loc.base = conn, url, parts.path.rstrip("/")
+            with self._lock:
+                self._all.append(conn)
+        return conn
+
+    def post(self, url: str, path: str, body: bytes) -> tuple[int, bytes]:
+        conn = self._conn(url)
+        reused = conn.sock is not None
+        try:
+            try:
+                conn.request("POST", self._local.base + path, body, self.headers)
+                resp = conn.getresponse()
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                if not reused:
+                    raise
+                # The server closed the kept-alive connection as the request went out (its
+                # idle timeout): it never read it.  Once more on a new connection; a server
+                # that died refuses that one, a transient error as before.
+                conn.close()
+                conn.request("POST", self._local.base + path, body, self.headers)
+                resp = conn.getresponse()
+            data = resp.read()
+        except TimeoutError as exc:
+            conn.close()
+            raise TransientError(
+                f"no answer within {self.timeout:.0f}s (client.request_timeout_s)"
+            ) from exc
+        except http.client.IncompleteRead as exc:
+            # The headers came and the body did not: the server died mid-answer (another
+            # request killed it, an OOM).  As transient as a refused connection.
+            conn.close()
+            raise TransientError(f"connection failed mid-answer: {exc!r}") from exc
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            raise TransientError(f"connection failed: {type(exc).__name__}: {exc}") from exc
+        except BaseException:
+            conn.close()  # a half-sent request leaves the connection unusable
+            raise
+        if resp.will_close:
+            conn.close()  # the next request reconnects (http.client does on a closed one)
+        return resp.status, data
+
+    def close(self) -> None:
+        with self._lock:
+            conns, self._all = self._all, []
+        for conn in conns:
+            conn.close()
+
+
+def _dropped(conn: http.client.HTTPConnection) -> bool:
+    """Whether an idle kept-alive connection was closed by the server: readable with no
+    request under way means EOF (or garbage).  ``poll``, not ``select``: a chunk job holds
+    many piece fds, and a socket's number may be past select's 1024."""
+    sock = conn.sock
+    if sock is None:
+        return False
+    p = select.poll()
+    p.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+    return bool(p.poll(0))
 
 
 class Client:
@@ -413,6 +579,10 @@ class Client:
         if cfg.server.api_key:
             self.session.headers["Authorization"] = f"Bearer {cfg.server.api_key}"
         self.timeout = float(cfg.client.request_timeout_s)
+        auth = {"Authorization": f"Bearer {cfg.server.api_key}"} if cfg.server.api_key else {}
+        self._http = _DirectHttp(auth, self.timeout)
+        #: Per server url: whether its POSTs may take the direct path (``_direct_ok``).
+        self._direct: dict[str, bool] = {}
         self.piece_timeout = float(cfg.client.piece_timeout_s)
         self.retries = cfg.client.retries
         self.backoff = float(cfg.client.backoff_s)
@@ -426,13 +596,39 @@ class Client:
         self.last_response_at: float | None = None
 
     def _post(self, rid: str, ids: list[int]) -> dict:
+        body = {"input_ids": ids, "rid": rid, "sampling_params": {"max_new_tokens": 0}}
+        status, data = self._post_json(self.state["url"], "/generate", body)
+        if status >= 500:
+            raise TransientError(f"HTTP {status}: {_text(data, 200)}")
+        if status != 200:
+            hint = " (server.api_key must match the server's key)" if status in (401, 403) else ""
+            raise ExtractionError(
+                f"server refused the request: HTTP {status}: {_text(data, 300)}{hint}"
+            )
+        out = orjson.loads(data)
+        reason = (out.get("meta_info") or {}).get("finish_reason") or {}
+        if isinstance(reason, dict) and reason.get("type") == "abort":
+            # Someone (an operator, the server under memory pressure) aborted it: its
+            # pieces are incomplete; a new attempt starts over under a new rid.
+            raise TransientError(f"the server aborted the request: {reason}")
+        return out
+
+    def _post_json(self, url: str, path: str, body: dict) -> tuple[int, bytes]:
+        """(status, body) of a POST; a failure to get an answer is a ``TransientError``.
+
+        Plain http with nothing from the environment to apply goes over this thread's own
+        kept-alive connection (``_DirectHttp``); anything else (https, a proxy, .netrc
+        credentials: what requests takes from the environment when ``trust_env``) through
+        the requests session, as before."""
+        direct = self._direct.get(url)
+        if direct is None:
+            direct = self._direct[url] = _direct_ok(url, self.session.trust_env)
+        if direct:
+            return self._http.post(url, path, orjson.dumps(body))
         import requests
 
-        body = {"input_ids": ids, "rid": rid, "sampling_params": {"max_new_tokens": 0}}
         try:
-            resp = self.session.post(
-                f"{self.state['url']}/generate", json=body, timeout=self.timeout
-            )
+            resp = self.session.post(f"{url}{path}", json=body, timeout=self.timeout)
         except requests.Timeout as exc:
             raise TransientError(
                 f"no answer within {self.timeout:.0f}s (client.request_timeout_s)"
@@ -446,24 +642,12 @@ class Client:
             # The headers came and the body did not: the server died mid-answer (another
             # request killed it, an OOM).  As transient as a refused connection.
             raise TransientError(f"connection failed mid-answer: {exc}") from exc
-        if resp.status_code >= 500:
-            raise TransientError(f"HTTP {resp.status_code}: {resp.text[:200]}")
-        if resp.status_code != 200:
-            hint = (
-                " (server.api_key must match the server's key)"
-                if resp.status_code in (401, 403)
-                else ""
-            )
-            raise ExtractionError(
-                f"server refused the request: HTTP {resp.status_code}: {resp.text[:300]}{hint}"
-            )
-        out = resp.json()
-        reason = (out.get("meta_info") or {}).get("finish_reason") or {}
-        if isinstance(reason, dict) and reason.get("type") == "abort":
-            # Someone (an operator, the server under memory pressure) aborted it: its
-            # pieces are incomplete; a new attempt starts over under a new rid.
-            raise TransientError(f"the server aborted the request: {reason}")
-        return out
+        return resp.status_code, resp.content
+
+    def close(self) -> None:
+        """Close the sender threads' connections (once no request is under way)."""
+        self._http.close()
+        self.session.close()
 
     def extract(self, rid_prefix: str, record_id: str, ids: list[int]) -> tuple[torch.Tensor, ...]:
         """(ids, hidden, aux) of one request, read into memory."""
@@ -506,7 +690,7 @@ class Client:
                     f"{msg} (permanent, not retried; server log: {self._server_log()})"
                 ) from None
             finally:
-                shutil.rmtree(rid_dir, ignore_errors=True)
+                _remove_request_dir(rid_dir)
         raise ExtractionError(
             f"{where}: gave up after {self.retries + 1} attempts (client.retries="
             f"{self.retries}): {last}. Check the server log {self._server_log()}, then rerun "
@@ -754,12 +938,14 @@ def _extract_chunk(
     except BaseException:
         pool.shutdown(wait=True, cancel_futures=True)
         writer.abort()
+        client.close()
         raise
     finally:
         turn.release()
         bar.close()
         shm.close()
     pool.shutdown(wait=True)
+    client.close()
     check = check_chunk(out_path, expect_records=len(records))
     # The extraction, not the server's load: a chunk job starts while the model loads.
     seconds = time.monotonic() - t0 - client.waited_for_server

@@ -358,6 +358,16 @@ class Scheduler:
             r.future.set_result(r)
 
 
+class _HttpServer(ThreadingHTTPServer):
+    """The engine's HTTP front.  A listen backlog like SGLang's (uvicorn: 2048), not
+    socketserver's 5: a chunk job opens a connection per request in flight at once, and
+    past the backlog a connection's SYN is dropped and retried a second later (seen: a
+    record's first attempt a second late, after its neighbours had given up)."""
+
+    daemon_threads = True
+    request_queue_size = 1024
+
+
 class EngineServer:
     """The HTTP front: validates requests like SGLang and hands them to the scheduler (at
     dp > 1 the :class:`DataParallelController`, which has the same four methods)."""
@@ -755,8 +765,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         model_path=args.model_path,
         api_key=args.api_key,
     )
-    httpd = ThreadingHTTPServer((args.host, args.port), engine.handler())
-    httpd.daemon_threads = True
+    httpd = _HttpServer((args.host, args.port), engine.handler())
     log.info(
         "reference engine up on %s:%d (capture %s, aux layers %s, %d DP worker(s))",
         args.host,

@@ -1,0 +1,146 @@
+"""The chunk job's per-request path (issue 40): the HTTP POST, the piece checks, the
+request dir's removal.  Each keeps a guarantee of the slower path it replaced."""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from hsextract import client
+from hsextract.capture import DumpWriter
+from hsextract.client import ExtractionError, Geometry, TransientError
+from hsextract.stats import SAMPLE_EVERY
+
+H, LAYERS = 16, [2, 4, 5]
+GEO = Geometry(hidden_size=H, num_layers=8, aux_layers=LAYERS, dtype=torch.bfloat16)
+
+
+def _piece(dump: Path, rid: str, n: int, bad_row: int | None = None) -> list[int]:
+    g = torch.Generator().manual_seed(n)
+    ids = torch.randint(0, 50_000, (n,), generator=g)
+    hidden = torch.randn(n, H, generator=g).to(torch.bfloat16)
+    aux = [torch.randn(n, H, generator=g).to(torch.bfloat16) for _ in LAYERS]
+    if bad_row is not None:
+        aux[1][bad_row, 3] = float("nan")
+    writer = DumpWriter(dump, LAYERS, threads=1)
+    writer.write_batch([rid], [0], [n], ids, hidden, aux)
+    writer.flush()
+    writer.close()
+    return ids.tolist()
+
+
+def test_a_non_finite_value_in_any_slice_of_a_piece_fails_it(tmp_path, monkeypatch):
+    """The checks read a piece a slice of rows at a time: a NaN in the last slice of the
+    aux rows is found as surely as in the first."""
+    # Eight rows a slice (the statistics' sampling step): a 50-row piece is 7 slices.
+    monkeypatch.setattr(client, "CHECK_SLICE_BYTES", SAMPLE_EVERY * 2 * H * len(LAYERS))
+    ids = _piece(tmp_path, "r-bad", 50, bad_row=49)
+    pieces = client.read_pieces(tmp_path / "r-bad", 50, 10)
+    with pytest.raises(ExtractionError, match="non-finite values"):
+        client.assemble(pieces, ids, GEO, "record 'x'")
+
+
+def test_sliced_checks_take_the_statistics_of_the_same_rows(tmp_path, monkeypatch):
+    ids = _piece(tmp_path, "r-ok", 50)
+    with client.assemble(client.read_pieces(tmp_path / "r-ok", 50, 10), ids, GEO, "w") as d:
+        whole = d.stats.report()
+        _, hidden, aux = d.tensors()
+    monkeypatch.setattr(client, "CHECK_SLICE_BYTES", SAMPLE_EVERY * 2 * H * len(LAYERS))
+    with client.assemble(client.read_pieces(tmp_path / "r-ok", 50, 10), ids, GEO, "w") as d:
+        sliced = d.stats.report()
+    for name, layer in whole["layers"].items():  # the same rows, summed in another order
+        assert sliced["layers"][name]["rms"] == pytest.approx(layer["rms"], rel=1e-5)
+        assert sliced["layers"][name]["max_abs"] == layer["max_abs"]
+    sample = torch.cat([aux, hidden], 1)[::SAMPLE_EVERY].view(-1, len(LAYERS) + 1, H).float()
+    for i, name in enumerate([f"aux_{x}" for x in LAYERS] + ["final"]):
+        assert sliced["layers"][name]["max_abs"] == float(sample[:, i].abs().max())
+        assert sliced["layers"][name]["values"] == sample.shape[0] * H
+
+
+def test_a_request_dir_is_removed_whatever_it_holds(tmp_path):
+    plain, odd = tmp_path / "a-00000000", tmp_path / "b-00000000"
+    _piece(tmp_path, plain.name, 4)
+    _piece(tmp_path, odd.name, 4)
+    (odd / "sub").mkdir()  # not what a server writes: rmtree's way
+    (odd / "sub" / "x").write_text("x")
+    for d in (plain, odd, tmp_path / "never-made"):
+        client._remove_request_dir(d)
+        assert not d.exists()
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+
+def _serve(closes: bool):
+    """A loopback server answering POSTs with JSON; with ``closes`` it closes each
+    connection after its answer without saying so (as a server's idle timeout does)."""
+    seen: list[tuple[str, bytes, int]] = []  # path, body, the client's port
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+        def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append((self.path, body, self.client_address[1]))
+            out = b'{"meta_info": {"finish_reason": {"type": "length"}}}'
+            self.wfile.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(out)}\r\n\r\n".encode()
+                + out
+            )
+            self.close_connection = closes
+
+    srv = _Server(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.server_address[1]}", seen
+
+
+@pytest.mark.parametrize("closes", [False, True])
+def test_the_direct_path_keeps_one_connection_and_reopens_a_closed_one(closes):
+    """A sender thread's connection is kept alive between its requests; one the server
+    closed while idle is noticed and reopened, not reported as a failed request (which
+    would cost a retry with backoff)."""
+    srv, url, seen = _serve(closes)
+    http = client._DirectHttp({"Authorization": "Bearer k"}, timeout=10)
+    try:
+        for i in range(5):
+            status, data = http.post(url, "/generate", b'{"rid": "r%d"}' % i)
+            assert status == 200 and b"meta_info" in data
+        assert [s[:2] for s in seen] == [("/generate", b'{"rid": "r%d"}' % i) for i in range(5)]
+        assert len({port for _, _, port in seen}) == (5 if closes else 1)  # connections
+    finally:
+        http.close()
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_a_refused_connection_is_transient():
+    srv, url, _ = _serve(False)
+    srv.shutdown()
+    srv.server_close()  # nobody listens on that port now
+    http = client._DirectHttp({}, timeout=5)
+    with pytest.raises(TransientError, match="connection failed: ConnectionRefusedError"):
+        http.post(url, "/generate", b"{}")
+
+
+def test_requests_still_carries_what_the_environment_says(monkeypatch):
+    """Loopback never needs a proxy (trust_env off: direct); for another host a proxy or
+    .netrc credentials from the environment keep the request on requests, as before."""
+    for var in ("HTTP_PROXY", "http_proxy", "NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NETRC", "/nonexistent/netrc")
+    assert client._direct_ok("http://127.0.0.1:30000", trust_env=False)
+    assert client._direct_ok("http://10.1.2.3:30000", trust_env=True)
+    assert not client._direct_ok("https://10.1.2.3:30000", trust_env=True)
+    monkeypatch.setenv("http_proxy", "http://proxy.example:3128")
+    assert not client._direct_ok("http://10.1.2.3:30000", trust_env=True)
+    monkeypatch.setenv("no_proxy", "10.1.2.3")
+    assert client._direct_ok("http://10.1.2.3:30000", trust_env=True)
