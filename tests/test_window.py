@@ -107,9 +107,11 @@ def test_a_set_value_wins_and_auto_reaches_the_launch(tmp_path):
     assert (win.tokens, win.requests, win.max_running, win.derived) == (4096, 16, 64, ())
     spec = build_spec(fixed, run_dir=run_dir(fixed), log_path=tmp_path / "s.log")
     assert spec.argv[spec.argv.index("--max-running-requests") + 1] == "64"
-    # Requests set, the limit auto: it follows the set window.
-    half = read_config(auto, {"client": {"requests_in_flight": 10}})
-    assert for_run(half).max_running == 40 and for_run(half).requests == 10
+    # Requests set, the rest auto: the limit follows the set window, and no token limit
+    # cuts it (a config tuned in requests keeps its window).
+    half = for_run(read_config(auto, {"client": {"requests_in_flight": 10}}))
+    assert (half.requests, half.max_running, half.tokens) == (10, 40, None)
+    assert "no token limit" in half.describe()
 
 
 def test_plan_says_what_it_chose_and_from_which_stats(tmp_path):

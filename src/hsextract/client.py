@@ -694,7 +694,8 @@ def _extract_chunk(
     # reference engine at 8 running, a job alone at 32 in flight, requests abandoned).
     win = for_run(cfg)
     dp = dp_size(cfg)
-    window = _Window(turn, win.requests * dp, cap=win.max_running * dp, tokens=win.tokens * dp)
+    tokens = win.tokens * dp if win.tokens is not None else None
+    window = _Window(turn, win.requests * dp, cap=win.max_running * dp, tokens=tokens)
     started = itertools.count(1)
     first_error: list[BaseException] = []
     chunk_stats = LayerStats(layer_names(geo.aux_layers, geo.num_layers))

@@ -104,7 +104,8 @@ def advice(cfg: Config, sizing: ChunkSizing) -> list[str]:
         )
     mean = sizing.total_tokens / sizing.n_records if sizing.n_records else 0
     win = in_flight(cfg, sizing)
-    window = cfg.client.sending_jobs * dp * min(win.tokens, win.requests * mean)
+    per_turn = win.requests * mean if win.tokens is None else min(win.tokens, win.requests * mean)
+    window = cfg.client.sending_jobs * dp * per_turn
     if sizing.n_chunks > 1 and per < window:
         out.append(
             f"a chunk (~{per:,.0f} tokens) is smaller than the requests the sending jobs "

@@ -21,6 +21,9 @@ SGLang's queue with its timeout running, and the client never sends more than it
 what every turn's window together can hold: ``requests x client.sending_jobs``.  SGLang's
 own default is memory-based and far larger; a set value wins (the cap follows it).
 
+``tokens_in_flight: auto`` with a set ``requests_in_flight`` is no token limit: the set
+request window stays what it was (configs tuned in requests, tests that batch N requests).
+
 Nothing here reaches a chunk's content or the fingerprint: the window decides only when a
 record is sent, never which records share a chunk (hsextract.sizing), and the launch
 settings digest keeps the configured ``auto``.  The derived running limit is a launch flag
@@ -101,7 +104,7 @@ class InFlight:
     """The window one sending turn keeps per DP worker, and the server's running limit per
     DP worker; ``derived`` names the keys that were ``auto``."""
 
-    tokens: int
+    tokens: int | None
     requests: int
     max_running: int
     lengths: Lengths | None
@@ -125,10 +128,17 @@ class InFlight:
         running = how("server.max_running_requests")
         if "server.max_running_requests" in self.derived:
             running += ": requests x client.sending_jobs"
+        if self.tokens is None:
+            tokens = "no token limit (client.tokens_in_flight auto, client.requests_in_flight set)"
+        elif "client.tokens_in_flight" in self.derived:
+            tokens = (
+                f"{self.tokens:,} tokens (client.tokens_in_flight auto: {TURN_PASSES} x "
+                f"{self.pass_tokens:,}-token passes)"
+            )
+        else:
+            tokens = f"{self.tokens:,} tokens (client.tokens_in_flight set)"
         return (
-            f"in flight per sending turn{per}: {self.tokens:,} tokens "
-            f"(client.tokens_in_flight {how('client.tokens_in_flight')}: "
-            f"{TURN_PASSES} x {self.pass_tokens:,}-token passes), {self.requests} requests "
+            f"in flight per sending turn{per}: {tokens}, {self.requests} requests "
             f"(client.requests_in_flight {how('client.requests_in_flight')}); "
             f"server.max_running_requests {self.max_running} "
             f"({running}); "
@@ -138,7 +148,7 @@ class InFlight:
     def worst_case_requests(self, max_len: int) -> int:
         """Requests of ``max_len`` tokens a turn can hold at once (per DP worker): the
         request window, or fewer where the token window admits fewer (always one)."""
-        if max_len <= 0:
+        if max_len <= 0 or self.tokens is None:
             return self.requests
         return max(1, min(self.requests, self.tokens // max_len))
 
@@ -157,14 +167,19 @@ def choose(cfg: Config, lengths: Lengths | None) -> InFlight:
     cps = cfg.server.chunked_prefill_size
     pass_tokens = cps if cps > 0 else UNCHUNKED_PASS_TOKENS
     derived = []
-    tokens = _setting(cfg.client.tokens_in_flight, "client.tokens_in_flight")
-    if tokens is None:
-        tokens = TURN_PASSES * pass_tokens
-        derived.append("client.tokens_in_flight")
+    set_tokens = _setting(cfg.client.tokens_in_flight, "client.tokens_in_flight")
     requests = _setting(cfg.client.requests_in_flight, "client.requests_in_flight")
+    # auto tokens with a set request window: none, that window as it always was (a config
+    # tuned in requests, or a test batching N requests, is not cut by a token limit).
+    tokens = set_tokens
+    if set_tokens is None:
+        derived.append("client.tokens_in_flight")
+        if requests is None:
+            tokens = TURN_PASSES * pass_tokens
     if requests is None:
         typical = lengths.typical if lengths is not None else ASSUMED_MEAN_TOKENS
-        requests = min(MAX_REQUESTS, max(MIN_REQUESTS, math.ceil(tokens / typical)))
+        target = tokens if tokens is not None else TURN_PASSES * pass_tokens
+        requests = min(MAX_REQUESTS, max(MIN_REQUESTS, math.ceil(target / typical)))
         derived.append("client.requests_in_flight")
     running = _setting(cfg.server.max_running_requests, "server.max_running_requests")
     if running is None:
