@@ -12,7 +12,6 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import pytest
 import yaml
 
 from hsextract.client import _Window
@@ -197,13 +196,82 @@ def test_concurrent_senders_never_pass_either_window():
     assert w.tokens_peak <= max(2048, 3000)  # the 3,000-token records went alone
 
 
-@pytest.mark.parametrize("value", [0, -3, "many", True])
-def test_a_bad_window_value_is_one_sentence_naming_the_key(tmp_path, value):
-    path = _project(tmp_path, **{"client.tokens_in_flight": value})
-    proc = subprocess.run(
-        [sys.executable, "-m", "hsextract.cli", "plan", "--configfile", str(path)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "tokens_in_flight" in lines[0], proc.stderr
+def test_the_window_keys_take_auto_or_a_count_and_refuse_the_rest_in_a_sentence(tmp_path):
+    """auto and a count are taken (plan gets as far as the missing split); anything else
+    is one sentence naming the key, no traceback."""
+
+    def plan(value) -> subprocess.CompletedProcess:
+        path = _project(tmp_path, **{"client.tokens_in_flight": value})
+        return subprocess.run(
+            [sys.executable, "-m", "hsextract.cli", "plan", "--configfile", str(path)],
+            cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+    for value, said in (("auto", "16,384 tokens"), (3000, "3,000 tokens (client.tokens")):
+        proc = plan(value)
+        assert said in proc.stdout and "chunks/index.json does not exist yet" in proc.stderr, (
+            proc.stdout + proc.stderr
+        )
+    for value in (0, -3, "many", True):
+        proc = plan(value)
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and "tokens_in_flight" in lines[0], proc.stderr
+
+
+def test_the_reference_engine_never_sees_more_than_either_window(demo_run, tmp_path, monkeypatch):
+    """One chunk through the reference engine, one sending turn, 4 requests and 600 tokens
+    a turn (more than any demo record, less than its four longest together): the most the
+    server held at once, counted on its side between arrival and answer, stays within
+    both; the server was started with the running limit auto derived (4 x 1 turn); the
+    chunk holds the workflow's states."""
+    import copy
+    import os
+
+    import requests
+    import torch
+
+    from hsextract import server
+    from hsextract.chunks import ChunkReader
+    from hsextract.client import extract_chunk
+    from hsextract.config import load_config, typed
+    from hsextract.records import load_chunk
+
+    workdir, rd = demo_run["workdir"], demo_run["run_dir"]
+    monkeypatch.chdir(workdir)
+    raw = copy.deepcopy(load_config(workdir / "config.yaml"))
+    raw["client"].update(requests_in_flight=4, tokens_in_flight=600, sending_jobs=1)
+    raw["server"]["max_running_requests"] = "auto"
+    raw["dump"]["dir"] = str(tmp_path / "dump")
+    cfg = typed(raw)
+    chunk = max(demo_run["manifest"]["chunks"], key=lambda c: c["records"])
+    name = Path(chunk["path"]).stem
+    lens = sorted(len(r.input_ids) for r in load_chunk(rd / "chunks" / f"{name}.jsonl", None))
+    assert lens[-1] <= 600 < sum(lens[-4:]), lens  # the token window has work to do
+    spec = server.build_spec(cfg, run_dir=tmp_path, log_path=tmp_path / "server.log")
+    assert spec.argv[spec.argv.index("--max-running-requests") + 1] == "4"
+    state = server.start(spec, owner=os.getpid())
+    try:
+        sidecar = extract_chunk(
+            cfg,
+            chunk_path=rd / "chunks" / f"{name}.jsonl",
+            index_path=rd / "chunks" / "index.json",
+            out_path=tmp_path / f"{name}.safetensors",
+            sidecar_path=tmp_path / f"{name}.json",
+            ensure=lambda: state,
+            progress=False,
+        )
+        seen = requests.get(f"{state['url']}/get_server_info", timeout=30).json()
+    finally:
+        server.stop(state)
+    peak = seen["peak_in_flight"]
+    assert 1 <= peak["requests"] <= 4 and lens[-1] <= peak["tokens"] <= 600, peak
+    assert sidecar["window"][1] <= 4
+    assert sidecar["window_tokens"][0] == 600 and sidecar["window_tokens"][1] <= 600
+    got, want = ChunkReader(tmp_path / f"{name}.safetensors"), ChunkReader(rd / chunk["path"])
+    assert got.record_ids == want.record_ids
+    for j in range(len(want.record_ids)):
+        a, b = got[j], want[j]
+        assert torch.equal(a["input_ids"], b["input_ids"]), (name, j)
+        for key in ("hidden_states", "aux_hidden_states"):  # other batches: float32 noise
+            assert (a[key] - b[key]).abs().max().item() <= 1e-5, (name, j, key)
