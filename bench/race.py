@@ -10,10 +10,22 @@ FA3), random weights (``--load-format dummy``: SGLang's seeded dummy init, so ev
 contender holds the same weights and no checkpoint is written).
 
 Records: token ids with a ShareGPT-like length distribution (lognormal, mean ~550, p99 ~4k,
-cap 8,192), seeded.  Contenders, one at a time on the GPU:
+cap 8,192), seeded; ``--lengths bimodal`` (issue 34) or ``chat`` (issue 40: ~130 tokens on
+average, p99 ~500).  Shapes (``--model``): Qwen3-8B, Llama-3.1-8B, Qwen2.5-7B (issue 40's
+7B of another family).  Issue 40's run (one device call, ~540 s):
+
+    HSEXTRACT_TIMEOUT=585 HSEXTRACT_RUN="python3 bench/race.py --model qwen2.5-7b \
+      --aux-layers 5 --lengths chat --tokens 1.5M --chunks auto \
+      --contenders bare,hsextract --reclaim" bash h200/run.sh
+
+Contenders, one at a time on the GPU:
 
 * ``bare``: ``sglang.launch_server`` with hsextract's flags for this config minus the
-  capture (``--forward-hooks``), every record's ``/generate`` with 64 in flight: the ceiling;
+  capture (``--forward-hooks``), every record's ``/generate``: the ceiling, at hsextract's
+  window for these records (``--in-flight same``: as many requests in flight as
+  hsextract's sending turns hold together, its server at the same
+  ``--max-running-requests``, both derived by ``hsextract.window`` from the records'
+  lengths as the merge counts them; the race prints both);
 * ``hsextract``: ``snakemake -j8 extract_all`` with ``configs/qwen3-8b-1xh200.yaml`` (hooks,
   lossless chunk files, fsync + sha256, manifest); the window runs from the server healthy
   to the run's last output in place (manifest, report), the bare server's from healthy to
