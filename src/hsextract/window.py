@@ -25,10 +25,12 @@ own default is memory-based and far larger; a set value wins (the cap follows it
 request window stays what it was (configs tuned in requests, tests that batch N requests).
 
 Nothing here reaches a chunk's content or the fingerprint: the window decides only when a
-record is sent, never which records share a chunk (hsextract.sizing), and the launch
-settings digest keeps the configured ``auto``.  The derived running limit is a launch flag
-(``--max-running-requests``): ``launch_server`` runs after the merge and the split, so the
-stats it derives from are the run's.  Where they are not there yet (``hsextract server
+record is sent, never which records share a chunk (hsextract.sizing).  The derived running
+limit is a launch flag (``--max-running-requests``): the launch settings file keeps the
+configured ``auto`` (nothing reruns for it), while the server's recorded settings carry the
+value (``server.spec_settings``), so a live server started for other lengths is replaced.
+``launch_server`` runs after the merge and the split, so the stats it derives from are the
+run's.  Where they are not there yet (``hsextract server
 command`` before the data stage), ``ASSUMED_MEAN_TOKENS`` stands in and the description
 says so.
 """
