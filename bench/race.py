@@ -10,10 +10,22 @@ FA3), random weights (``--load-format dummy``: SGLang's seeded dummy init, so ev
 contender holds the same weights and no checkpoint is written).
 
 Records: token ids with a ShareGPT-like length distribution (lognormal, mean ~550, p99 ~4k,
-cap 8,192), seeded.  Contenders, one at a time on the GPU:
+cap 8,192), seeded; ``--lengths bimodal`` (issue 34) or ``chat`` (issue 40: ~130 tokens on
+average, p99 ~500).  Shapes (``--model``): Qwen3-8B, Llama-3.1-8B, Qwen2.5-7B (issue 40's
+7B of another family).  Issue 40's run (one device call, ~540 s):
+
+    HSEXTRACT_TIMEOUT=585 HSEXTRACT_RUN="python3 bench/race.py --model qwen2.5-7b \
+      --aux-layers 5 --lengths chat --tokens 1.5M --chunks auto \
+      --contenders bare,hsextract --reclaim" bash h200/run.sh
+
+Contenders, one at a time on the GPU:
 
 * ``bare``: ``sglang.launch_server`` with hsextract's flags for this config minus the
-  capture (``--forward-hooks``), every record's ``/generate`` with 64 in flight: the ceiling;
+  capture (``--forward-hooks``), every record's ``/generate``: the ceiling, at hsextract's
+  window for these records (``--in-flight same``: as many requests in flight as
+  hsextract's sending turns hold together, its server at the same
+  ``--max-running-requests``, both derived by ``hsextract.window`` from the records'
+  lengths as the merge counts them; the race prints both);
 * ``hsextract``: ``snakemake -j8 extract_all`` with ``configs/qwen3-8b-1xh200.yaml`` (hooks,
   lossless chunk files, fsync + sha256, manifest); the window runs from the server healthy
   to the run's last output in place (manifest, report), the bare server's from healthy to
@@ -85,7 +97,19 @@ LLAMA31_8B = dict(
     bos_token_id=128000, eos_token_id=[128001, 128008, 128009], use_cache=True,
     initializer_range=0.02,
 )  # fmt: skip
-MODELS = {"qwen3-8b": QWEN3_8B, "llama3.1-8b": LLAMA31_8B}
+#: Qwen2.5-7B-Instruct's shape (config.json of Qwen/Qwen2.5-7B-Instruct), random weights:
+#: issue 40's target of another family (q/k/v bias, which Qwen2ForCausalLM always has; 28
+#: layers, hidden 3584, 28 heads of 128, 4 KV heads).
+QWEN25_7B = dict(
+    architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=152064,
+    hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+    num_attention_heads=28, num_key_value_heads=4, hidden_act="silu", rms_norm_eps=1e-6,
+    rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=32768,
+    attention_dropout=0.0, tie_word_embeddings=False, torch_dtype="bfloat16",
+    bos_token_id=151643, eos_token_id=151645, use_cache=True, use_sliding_window=False,
+    sliding_window=131072, max_window_layers=28, initializer_range=0.02,
+)  # fmt: skip
+MODELS = {"qwen3-8b": QWEN3_8B, "llama3.1-8b": LLAMA31_8B, "qwen2.5-7b": QWEN25_7B}
 #: What the H200 payload needs beyond the shipped config (sglang-h200 recipe): no FA3 in
 #: the slimmed kernel, no tokenizer (ids are sent), random weights.
 PAYLOAD_ARGS = ["--load-format", "dummy", "--attention-backend", "triton",
@@ -102,6 +126,11 @@ MU, SIGMA, MIN_LEN, MAX_LEN = 5.677, 1.125, 16, 8192
 #: records (half a window) and a 141k-token one ~100.
 BIMODAL_LONG = 0.25
 BIMODAL = ((5.704, 0.8), (8.294, 0.35))  # (mu, sigma): exp(mu) = 300, 4,000
+#: ``--lengths chat`` (issue 40's records): chat turns, lognormal with mean exp(mu +
+#: sigma^2/2) = 130 and p99 exp(mu + 2.326 sigma) = 500 (median ~103), clipped to
+#: [MIN_LEN, MAX_LEN] (the floor lifts the mean a little: the race prints the figures).
+CHAT = (4.6377, 0.678)
+LENGTH_MIXES = ("sharegpt", "bimodal", "chat")
 
 
 def lengths(n: int, seed: int, mix: str = "sharegpt") -> list[int]:
@@ -112,6 +141,8 @@ def lengths(n: int, seed: int, mix: str = "sharegpt") -> list[int]:
         long = rng.random(n) < BIMODAL_LONG
         (mu0, s0), (mu1, s1) = BIMODAL
         raw = np.where(long, np.exp(rng.normal(mu1, s1, n)), np.exp(rng.normal(mu0, s0, n)))
+    elif mix == "chat":
+        raw = np.exp(rng.normal(CHAT[0], CHAT[1], n))
     else:
         raw = np.exp(rng.normal(MU, SIGMA, n))
     return np.clip(raw, MIN_LEN, MAX_LEN).astype(int).tolist()
@@ -326,6 +357,23 @@ def hsx_config(work: Path, data: Path, n_chunks: int | str, tag: str = "hsx",
     return path
 
 
+def sidecar_windows(side: Path) -> dict:
+    """What the chunk jobs' windows were (sidecars ``window``, ``window_tokens``: own share,
+    peak) and the running limit their server was started with (its argv)."""
+    sides = [json.loads(f.read_text()) for f in sorted(side.glob("chunk_*.json"))]
+    if not sides:
+        return {}
+    argv = (sides[0].get("server") or {}).get("argv") or []
+    flag = "--max-running-requests"
+    return {
+        "max_running_requests": int(argv[argv.index(flag) + 1]) if flag in argv else None,
+        "requests": [max((s.get("window") or [0, 0])[i] for s in sides) for i in (0, 1)],
+        "tokens": [
+            max((s.get("window_tokens") or [0, 0])[i] or 0 for s in sides) for i in (0, 1)
+        ],  # fmt: skip
+    }
+
+
 def results_dir(cfg_path: Path) -> Path:
     import yaml
 
@@ -360,8 +408,38 @@ def dp2_config(work: Path, cfg_path: Path) -> Path:
     return path
 
 
-def run_bare(work: Path, cfg_path: Path, records: list[dict], in_flight: int) -> dict:
-    """The same server and flags with no capture: every record's /generate."""
+def race_window(cfg_path: Path, lens: list[int], in_flight: str = "same") -> dict:
+    """hsextract's in-flight window for these records (``hsextract.window``, from the
+    length statistics its merge will count: numpy's mean and percentiles, as
+    ``records._stats``), and the bare server's: ``same`` = as many requests in flight as
+    hsextract's turns hold together (its derived running limit x dp), its server at the same
+    ``--max-running-requests``; a number overrides the requests only."""
+    import numpy as np
+
+    from hsextract.config import read_config
+    from hsextract.dp import dp_size
+    from hsextract.window import Lengths, choose
+
+    cfg = read_config(cfg_path)
+    arr = np.asarray(lens, np.int64)
+    p50, p99 = np.percentile(arr, [50, 99]).tolist()
+    src = "the race's records (what the merge counts)"
+    win = choose(cfg, Lengths(float(arr.mean()), p50, p99, len(lens), src))
+    dp = dp_size(cfg)
+    same = win.max_running * dp
+    return {
+        "hsextract": win.describe(dp),
+        "hsextract_requests_per_turn": win.requests * dp,
+        "hsextract_tokens_per_turn": win.tokens * dp if win.tokens is not None else None,
+        "max_running_requests": win.max_running,
+        "bare_in_flight": same if in_flight == "same" else int(in_flight),
+    }
+
+
+def run_bare(work: Path, cfg_path: Path, records: list[dict], in_flight: int,
+             max_running: int | None = None) -> dict:  # fmt: skip
+    """The same server and flags with no capture: every record's /generate, ``in_flight``
+    at once; ``max_running``: its ``--max-running-requests`` (hsextract's derived one)."""
     import requests
 
     from hsextract import server
@@ -374,6 +452,8 @@ def run_bare(work: Path, cfg_path: Path, records: list[dict], in_flight: int) ->
     argv = list(spec.argv)
     i = argv.index("--forward-hooks")
     del argv[i : i + 2]
+    if max_running is not None:
+        argv[argv.index("--max-running-requests") + 1] = str(max_running)
     spec.argv = argv
     spec.env = {k: v for k, v in spec.env.items() if k != "SGLANG_HS_DUMP_DIR"}
     import psutil
@@ -412,6 +492,8 @@ def run_bare(work: Path, cfg_path: Path, records: list[dict], in_flight: int) ->
     tokens = sum(len(r["input_ids"]) for r in records)
     return {
         "seconds": round(dt, 2), "tokens": tokens, "records": len(records),
+        "in_flight": in_flight,
+        "max_running_requests": int(argv[argv.index("--max-running-requests") + 1]),
         "tok_s": round(tokens / dt), "load_s": round(load_s, 1), "warmup_s": round(warm_s, 1),
         "tok_s_after_warmup": round(tokens / flood_s),
         # The sending phase: the first record's request sent to the last response.
@@ -1079,7 +1161,7 @@ def main() -> None:
     ap.add_argument("--aux-layers", default=None,
                     help="aux layers: a count spread over [2, L-3], or a comma list "
                          "(default: SGLang's EAGLE-3 three)")  # fmt: skip
-    ap.add_argument("--lengths", choices=["sharegpt", "bimodal"], default="sharegpt",
+    ap.add_argument("--lengths", choices=LENGTH_MIXES, default="sharegpt",
                     help="record length mix")  # fmt: skip
     ap.add_argument("--records", type=int, default=4000)
     ap.add_argument("--tokens", default=None,
@@ -1088,7 +1170,9 @@ def main() -> None:
     ap.add_argument("--chunk-tokens", default=None,
                     help="n_chunks = tokens / this (47k); hsextract@47k: per variant")  # fmt: skip
     ap.add_argument("--jobs", type=int, default=8, help="snakemake -j")
-    ap.add_argument("--in-flight", type=int, default=64, help="bare: requests in flight")
+    ap.add_argument("--in-flight", default="same",
+                    help="bare: requests in flight; same (default): hsextract's window for "
+                         "these records, its server at the same running limit")  # fmt: skip
     ap.add_argument("--contenders", default="bare,hsextract,specforge,specforge-gz",
                     help="comma list; hsextract@47k, hsextract@auto: chunk sizes")  # fmt: skip
     ap.add_argument(
@@ -1186,13 +1270,23 @@ def main() -> None:
     if any(c.startswith("specforge") for c in contenders):
         print(f"specforge gets {n_sf} records ({sum(lens[:n_sf]):,} tokens), with --compress "
               f"{n_gz} ({sum(lens[:n_gz]):,})", flush=True)  # fmt: skip
+    windows = {"bare": race_window(cfg_path, lens, args.in_flight)}
+    same = windows["bare"]
+    print(f"window: hsextract {same['hsextract']}", flush=True)
+    print(f"window: bare {same['bare_in_flight']} requests in flight, "
+          f"--max-running-requests {same['max_running_requests']}", flush=True)  # fmt: skip
+    results["windows"] = windows
     if args.dry_run:
         from hsextract import server
         from hsextract.config import read_config
 
         cfg = read_config(cfg_path, {"sglang.version": "0.5.14"})
         spec = server.build_spec(cfg, run_dir=work, log_path=work / "logs" / "x.log")
-        print(" ".join(spec.argv))
+        argv = list(spec.argv)  # before the merge: the race's derived limit, as bare's
+        argv[argv.index("--max-running-requests") + 1] = str(
+            windows["bare"]["max_running_requests"]
+        )
+        print(" ".join(argv))
         return
     records = [json.loads(line) for line in data.read_text().splitlines()]
     samples: dict = {}
@@ -1205,10 +1299,14 @@ def main() -> None:
                 continue
             print(f"== {name}", flush=True)
             if name == "bare":
-                r = run_bare(work, cfg_path, records, args.in_flight)
+                w = windows["bare"]
+                r = run_bare(work, cfg_path, records, w["bare_in_flight"],
+                             w["max_running_requests"])  # fmt: skip
             elif name in ("bare-dp1", "bare-dp2"):  # the same prefix: dp 1 vs dp 2
                 conf = dp2_config(work, cfg_path) if name == "bare-dp2" else cfg_path
-                r = run_bare(work, conf, records[: args.dp2_records], args.in_flight)
+                w = windows[name] = race_window(conf, lens[: args.dp2_records], args.in_flight)
+                r = run_bare(work, conf, records[: args.dp2_records], w["bare_in_flight"],
+                             w["max_running_requests"])  # fmt: skip
             elif name == "hsextract-fault":
                 if left < 280:  # two server starts, half a run each, verify
                     results["contenders"][name] = {"skipped": f"{left:.0f} s left"}
@@ -1239,6 +1337,7 @@ def main() -> None:
                     side.mkdir(exist_ok=True)
                     for f in (run / "hidden").glob("chunk_*.json"):
                         shutil.copy(f, side / f.name)
+                    r["window"] = sidecar_windows(side)
                     shutil.rmtree(run / "hidden", ignore_errors=True)
             else:
                 n, compress = sf_n[name]

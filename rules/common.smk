@@ -239,9 +239,8 @@ def stale_deletion_done():
 
 if MAIN and workflow.is_main_process:
     show_stale_plan()
-    if CHUNK_SIZING is not None:
-        for line in sizing_report(CFG, CHUNK_SIZING):
-            print(f"hsextract: {line}", file=sys.stderr)
+    for line in sizing_report(CFG, CHUNK_SIZING):
+        print(f"hsextract: {line}", file=sys.stderr)
 
 
 def stop_servers():

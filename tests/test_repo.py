@@ -79,7 +79,7 @@ def test_missing_inputs_fail_the_plan_with_the_config_key(tmp_path):
 
 def test_qwen3_8b_config_launches_hooks_on_the_eagle3_layers(tmp_path):
     """configs/qwen3-8b-1xh200.yaml (the race's config): hooks on SGLang's EAGLE-3 default
-    layers for 36 layers, 64 requests admitted = 16 in flight x 4 sending jobs."""
+    layers for 36 layers, the requests admitted = the derived window x 4 sending jobs."""
     import yaml
 
     from hsextract.config import read_config
@@ -99,7 +99,7 @@ def test_qwen3_8b_config_launches_hooks_on_the_eagle3_layers(tmp_path):
     hooks = json.loads(argv[argv.index("--forward-hooks") + 1])
     aux = [h["config"]["layer"] for h in hooks if h["config"]["role"] == "aux"]
     assert aux == [2, 18, 33]
-    assert argv[argv.index("--max-running-requests") + 1] == str(
-        cfg.client.requests_in_flight * cfg.client.sending_jobs
-    )
+    # auto, before any merge: 2 x 8,192 tokens a turn over an assumed 512-token mean = 32
+    # requests a turn, x 4 sending jobs (hsextract.window).
+    assert argv[argv.index("--max-running-requests") + 1] == str(32 * cfg.client.sending_jobs)
     assert "SGLANG_HS_DUMP_DIR" not in env  # hooks carry the dump dir, not the patch's env

@@ -221,8 +221,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     cfg = _load(args)
     sizing = chunk_sizing(cfg)
-    if sizing is not None:
-        print("\n".join(sizing_report(cfg, sizing)))
+    print("\n".join(sizing_report(cfg, sizing)))
     rd = run_dir(cfg)
     index = rd / "chunks" / "index.json"
     if not index.exists():

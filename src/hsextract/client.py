@@ -788,8 +788,9 @@ def _extract_chunk(
     from hsextract.budget import SendingTurn, SharedByteBudget
     from hsextract.chunks import ChunkWriter, check_chunk
     from hsextract.config import fingerprint, storage_codec
-    from hsextract.dp import budget_keys, dp_size, requests_in_flight, shm_budget_bytes
+    from hsextract.dp import budget_keys, dp_size, shm_budget_bytes
     from hsextract.records import Record, index_entry, load_chunk, records_digest
+    from hsextract.window import for_run
 
     name = Path(chunk_path).stem
     t0 = time.monotonic()
@@ -869,13 +870,16 @@ def _extract_chunk(
     # A turn to send (client.sending_jobs per dump dir), held until the last record is
     # sent: this job's writes, fsync and sha256 then overlap a waiting job's requests.
     turn = SendingTurn(client.dump_dir, cfg.client.sending_jobs)
-    # The server's window (requests_in_flight per turn) is shared by the jobs holding a
-    # turn: a turn no job holds -- none was ready when it was handed on -- is theirs.
+    # The server's window (requests_in_flight and tokens_in_flight per turn, both per DP
+    # worker; ``auto`` from the records' lengths, hsextract.window) is shared by the jobs
+    # holding a turn: a turn no job holds -- none was ready when it was handed on -- is theirs.
     # Never more than the server runs at once (server.max_running_requests per DP worker):
     # past it a request only waits in SGLang's queue, its timeout running (seen in CI: the
     # reference engine at 8 running, a job alone at 32 in flight, requests abandoned).
-    running = cfg.server.max_running_requests * dp_size(cfg)
-    window = _Window(turn, requests_in_flight(cfg), cap=running)
+    win = for_run(cfg)
+    dp = dp_size(cfg)
+    tokens = win.tokens * dp if win.tokens is not None else None
+    window = _Window(turn, win.requests * dp, cap=win.max_running * dp, tokens=tokens)
     started = itertools.count(1)
     first_error: list[BaseException] = []
     chunk_stats = LayerStats(layer_names(geo.aux_layers, geo.num_layers))
@@ -884,8 +888,9 @@ def _extract_chunk(
         if client.stop.is_set():
             return  # the chunk has failed already: start nothing new
         rec = records[j]
+        n_tokens = len(rec.input_ids)
         try:
-            window.acquire()
+            window.acquire(n_tokens)
             try:
                 if client.stop.is_set():
                     return  # failed while this one waited for room in the window
@@ -901,7 +906,7 @@ def _extract_chunk(
                 finally:
                     shm.release(token)
             finally:
-                window.release()
+                window.release(n_tokens)
         except BaseException as exc:
             first_error.append(exc)  # list.append is atomic
             client.stop.set()  # other threads finish their request, retry nothing
@@ -985,8 +990,10 @@ def _extract_chunk(
         # Wall clock: its last response came, then was in and written (fsync, sha256 next).
         "last_response_at": round(client.last_response_at or drained_at, 3),
         "drained_at": round(drained_at, 3),
-        # Its requests in flight: its own share, and the most it had (vacant turns' share).
+        # Its requests in flight: its own share, and the most it had (vacant turns' share);
+        # its tokens in flight the same way (hsextract.window).
         "window": [window.base, window.peak],
+        "window_tokens": [window.tokens_base, window.tokens_peak],
         "waited_for_turn_s": round(waited, 3),
         "waited_for_server_s": round(client.waited_for_server, 3),
         # Wall clock: this job's process began (its start cost: interpreter, imports).
@@ -999,8 +1006,9 @@ def _extract_chunk(
 
 
 class _Window:
-    """How many requests a sending job keeps in flight: its own share, ``base``
-    (``client.requests_in_flight`` x dp), plus the share of every turn no job holds.
+    """How many requests, and tokens, a sending job keeps in flight: its own share, ``base``
+    requests and ``tokens_base`` tokens (``client.requests_in_flight`` and
+    ``client.tokens_in_flight`` x dp), plus the share of every turn no job holds.
 
     Why (issue 34): the turns only keep the server fed while a job is ready to take each
     one as it is handed on.  A chunk job spends seconds not sending (its process start,
@@ -1013,14 +1021,32 @@ class _Window:
     sent finish; no new one goes out over the limit).  Never more than ``cap``, what the
     server runs at once, unless its own share is more: past it a request only waits in
     the server's queue, its timeout running.  Occupancy is probed at most every
-    ``probe_s`` (``SendingTurn.held_count``)."""
+    ``probe_s`` (``SendingTurn.held_count``).
 
-    def __init__(self, turn: Any, base: int, *, cap: int, probe_s: float = 0.05) -> None:
+    Why tokens too (issue 40): what keeps the server fed is tokens queued; the token limit
+    scales with the request limit (the same share of vacant turns).  A request longer than
+    the whole token limit goes out alone, once nothing else is in flight.  Requests go out
+    in the order they ask (one waits at a time, ``_gate``): a long record waiting for
+    token room is not overtaken forever by short ones that fit.
+    """
+
+    def __init__(
+        self,
+        turn: Any,
+        base: int,
+        *,
+        cap: int,
+        tokens: int | None = None,
+        probe_s: float = 0.05,
+    ) -> None:
         self.turn, self.base, self.probe_s = turn, base, probe_s
         self.most = max(base, min(base * turn.n, cap))
+        self.tokens_base = tokens
         self.active = self.peak = 0
+        self.active_tokens = self.tokens_peak = 0
         self._limit, self._at = base, -math.inf
         self._cv = threading.Condition()
+        self._gate = threading.Lock()
 
     def limit(self) -> int:
         now = time.monotonic()
@@ -1029,16 +1055,30 @@ class _Window:
             self._limit, self._at = min(self.most, -(-self.base * self.turn.n // held)), now
         return self._limit
 
-    def acquire(self) -> None:
-        with self._cv:
-            while self.active >= self.limit():
+    def token_limit(self) -> float:
+        """The tokens allowed in flight now: ``tokens_base`` scaled as the request limit."""
+        if self.tokens_base is None:
+            return math.inf
+        return self.tokens_base * self.limit() / self.base
+
+    def _room(self, n_tokens: int) -> bool:
+        if self.active >= self.limit():
+            return False
+        return self.active_tokens == 0 or self.active_tokens + n_tokens <= self.token_limit()
+
+    def acquire(self, n_tokens: int = 0) -> None:
+        with self._gate, self._cv:
+            while not self._room(n_tokens):
                 self._cv.wait(self.probe_s)
             self.active += 1
+            self.active_tokens += n_tokens
             self.peak = max(self.peak, self.active)
+            self.tokens_peak = max(self.tokens_peak, self.active_tokens)
 
-    def release(self) -> None:
+    def release(self, n_tokens: int = 0) -> None:
         with self._cv:
             self.active -= 1
+            self.active_tokens -= n_tokens
             self._cv.notify()
 
 

@@ -79,8 +79,8 @@ class ServerConfig:
     port: int = 0
     #: tokens per extend batch; -1 = off [launch spec]
     chunked_prefill_size: int = 8192
-    #: requests the server runs at once [launch spec]
-    max_running_requests: int = 8
+    #: requests the server runs at once, per dp worker (SGLang --max-running-requests); auto = client.requests_in_flight x client.sending_jobs, what the turns' windows hold (hsextract.window) [launch spec]
+    max_running_requests: int | str = "auto"
     #: how long a launch may take to become healthy
     health_timeout_s: float = 900.0
     #: failed /health probes in a row before ensure() replaces a server whose process is alive
@@ -97,8 +97,10 @@ class ServerConfig:
 class ClientConfig:
     """``client``."""
 
-    #: requests in flight per sending turn (per dp worker); a sending job also takes the share of turns no job holds (client._Window)
-    requests_in_flight: int = 8
+    #: requests in flight per sending turn (per dp worker); auto = client.tokens_in_flight over the merged records' median length (the mean where lower), within [2, 256] (hsextract.window); a sending job also takes the share of turns no job holds (client._Window)
+    requests_in_flight: int | str = "auto"
+    #: tokens in flight per sending turn (per dp worker); auto = 2 x server.chunked_prefill_size (two extend passes queued per turn) while client.requests_in_flight is auto too, no token limit when that is set; a record longer than it goes alone (hsextract.window)
+    tokens_in_flight: int | str = "auto"
     #: chunk jobs sending at once
     sending_jobs: int = 4
     #: one request's timeout

@@ -10,9 +10,11 @@ One server per node still (one health check, one watchdog, one GPU gate): with
   (``data_parallel_controller.py`` ``launch_dp_schedulers``, ``launch_tensor_parallel_group``:
   ``base_gpu_id += tp_size * pp_size * gpu_id_step``); :func:`server_gpus` maps those
   through ``CUDA_VISIBLE_DEVICES`` to the devices the GPU gate checks.
-* Client side, per replica: ``client.requests_in_flight`` and ``dump.shm_budget_gb`` are
-  per DP worker, so a chunk job keeps ``requests_in_flight x dp`` requests in flight under a
-  ``shm_budget_gb x dp`` budget (:func:`requests_in_flight`, :func:`shm_budget_bytes`):
+* Client side, per replica: ``client.requests_in_flight``, ``client.tokens_in_flight`` and
+  ``dump.shm_budget_gb`` are per DP worker (so is ``server.max_running_requests``, in SGLang
+  already), so a chunk job keeps ``requests_in_flight x dp`` requests and ``tokens_in_flight
+  x dp`` tokens in flight under a ``shm_budget_gb x dp`` budget (:func:`requests_in_flight`,
+  :func:`shm_budget_bytes`, hsextract.window for ``auto``):
   each replica sees the queue one server saw at dp 1, and a config tuned at dp 1 stays tuned.
 * Liveness: SGLang watches only the DP controller, not the schedulers it starts
   (``engine.py`` ``SubprocessWatchdog`` gets the controller process; the controller's event
@@ -55,8 +57,11 @@ def server_gpu_count(cfg: Config) -> int:
 
 
 def requests_in_flight(cfg: Config) -> int:
-    """Requests one chunk job keeps in flight: ``client.requests_in_flight`` per replica."""
-    return cfg.client.requests_in_flight * dp_size(cfg)
+    """Requests one chunk job keeps in flight: ``client.requests_in_flight`` per replica
+    (``auto``: from the run's record lengths, hsextract.window)."""
+    from hsextract.window import for_run
+
+    return for_run(cfg).requests * dp_size(cfg)
 
 
 def shm_budget_bytes(cfg: Config) -> int:

@@ -386,6 +386,18 @@ class EngineServer:
         self.context_length = context_length
         self.model_path = model_path
         self.api_key = api_key
+        # Requests and tokens between arrival and answer, and their most at once: what
+        # the client's window (client._Window) let through, seen from the server's side.
+        self._load_lock = threading.Lock()
+        self._in_flight = {"requests": 0, "tokens": 0}
+        self.peak_in_flight = {"requests": 0, "tokens": 0}
+
+    def _arrived(self, tokens: int, sign: int) -> None:
+        with self._load_lock:
+            self._in_flight["requests"] += sign
+            self._in_flight["tokens"] += sign * tokens
+            for k, v in self._in_flight.items():
+                self.peak_in_flight[k] = max(self.peak_in_flight[k], v)
 
     def model_info(self) -> dict:
         return {
@@ -399,7 +411,9 @@ class EngineServer:
 
     def server_info(self) -> dict:
         """The subset of SGLang's /get_server_info the client records."""
-        return {"version": __version__, "engine": "reference", **self.scheduler.load()}
+        load = self.scheduler.load()
+        return {"version": __version__, "engine": "reference", **load,
+                "peak_in_flight": dict(self.peak_in_flight)}  # fmt: skip
 
     def generate(self, body: dict) -> tuple[int, dict]:
         ids = body.get("input_ids")
@@ -422,6 +436,7 @@ class EngineServer:
         sp = body.get("sampling_params") or {}
         max_new = int(sp.get("max_new_tokens", 0) or 0)
         req = Request(rid=rid, input_ids=ids, max_new_tokens=max_new)
+        self._arrived(len(ids), 1)
         try:
             self.scheduler.submit(req).result()
         except RequestAborted:
@@ -431,6 +446,8 @@ class EngineServer:
                 "output_ids": [],
                 "meta_info": {"id": rid, "finish_reason": {"type": "abort"}},
             }
+        finally:
+            self._arrived(len(ids), -1)
         if faults.ACTIVE:  # tests only: tamper with this request's dump pieces
             faults.after_generate(rid, len(ids), os.environ.get("SGLANG_HS_DUMP_DIR"))
         return 200, {

@@ -792,7 +792,8 @@ def prepare_dump_dir(path: Path, owner: str | None = None) -> Path:
 
 def build_spec(cfg: Config, *, run_dir: Path, log_path: Path) -> ServerSpec:
     """The launch spec for the configured engine, from the config alone."""
-    from hsextract.config import dump_dir, fingerprint, launch_settings, server_aux_layers
+    from hsextract.config import dump_dir, fingerprint, server_aux_layers
+    from hsextract.window import for_run
 
     server = cfg.server
     port_auto = server.port == 0
@@ -816,7 +817,7 @@ def build_spec(cfg: Config, *, run_dir: Path, log_path: Path) -> ServerSpec:
             # The same max_seq_len the merge stage enforced: one source of truth.
             "--context-length", str(cfg.max_seq_len),
             "--chunked-prefill-size", str(server.chunked_prefill_size),
-            "--max-running-requests", str(server.max_running_requests),
+            "--max-running-requests", str(for_run(cfg).max_running),
         ]  # fmt: skip
         if not server.batch_invariant:
             argv.append("--no-batch-invariant")
@@ -849,8 +850,22 @@ def build_spec(cfg: Config, *, run_dir: Path, log_path: Path) -> ServerSpec:
             "max_port": max_port,
             **({"workers": expected_workers(cfg)} if expected_workers(cfg) else {}),
         },
-        settings=launch_settings(cfg),
+        settings=spec_settings(cfg),
     )
+
+
+def spec_settings(cfg: Config) -> dict[str, Any]:
+    """The settings a server of this config runs with (``config.launch_settings``), with
+    ``server.max_running_requests: auto`` as the value derived from the run's record lengths
+    (hsextract.window): a server started before the merge counted other lengths is replaced,
+    the sidecars record the limit that ran, and the settings file's name keeps ``auto``."""
+    from hsextract.config import launch_settings
+    from hsextract.window import for_run
+
+    settings = launch_settings(cfg)
+    if cfg.server.max_running_requests == "auto":
+        settings["max_running_requests"] = for_run(cfg).max_running
+    return settings
 
 
 def remove_dump_dir_if_empty(path: Path) -> bool:

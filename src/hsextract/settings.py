@@ -86,6 +86,7 @@ _POS = {"minimum": 1}
 MAX_CHUNKS = 1_000_000
 _NONNEG = {"minimum": 0}
 _POS_NUM = {"exclusiveMinimum": 0}
+_AUTO = {"minimum": 1, "pattern": "^auto$"}
 LAUNCH = ("launch spec",)
 FP_LAUNCH = ("fingerprint", "launch spec")
 
@@ -148,8 +149,8 @@ DECLARED: tuple[Setting | Group, ...] = (
     S("server.port", "integer", "0 = pick a free port at launch", LAUNCH, ("launch",), 0, sample=30000,
       schema={"minimum": 0, "maximum": 65535}),
     S("server.chunked_prefill_size", "integer", "tokens per extend batch; -1 = off", LAUNCH, ("launch",), 8192, sample=128),
-    S("server.max_running_requests", "integer", "requests the server runs at once", LAUNCH, ("launch",), 8, sample=4,
-      schema=_POS),
+    S("server.max_running_requests", ("integer", "string"), "requests the server runs at once, per dp worker (SGLang --max-running-requests); auto = client.requests_in_flight x client.sending_jobs, what the turns' windows hold (hsextract.window)", LAUNCH, ("launch",), "auto", sample=4,
+      schema=_AUTO, note="`auto`: derived at launch from the merged records' lengths; `hsextract plan` says the value"),
     S("server.health_timeout_s", "number", "how long a launch may take to become healthy", default=900, sample=100,
       schema=_POS_NUM),
     S("server.health_probes", "integer", "failed /health probes in a row before ensure() replaces a server whose process is alive",
@@ -160,8 +161,10 @@ DECLARED: tuple[Setting | Group, ...] = (
     S("server.batch_invariant", "boolean", "reference engine: bit-reproducible numbers whatever shares the batch", LAUNCH,
       ("launch",), True, sample=False, engine="reference"),
     Group("client"),
-    S("client.requests_in_flight", "integer", "requests in flight per sending turn (per dp worker); a sending job also takes the share of turns no job holds (client._Window)", default=8, sample=4,
-      schema=_POS),
+    S("client.requests_in_flight", ("integer", "string"), "requests in flight per sending turn (per dp worker); auto = client.tokens_in_flight over the merged records' median length (the mean where lower), within [2, 256] (hsextract.window); a sending job also takes the share of turns no job holds (client._Window)", default="auto", sample=4,
+      schema=_AUTO),
+    S("client.tokens_in_flight", ("integer", "string"), "tokens in flight per sending turn (per dp worker); auto = 2 x server.chunked_prefill_size (two extend passes queued per turn) while client.requests_in_flight is auto too, no token limit when that is set; a record longer than it goes alone (hsextract.window)", default="auto", sample=4096,
+      schema=_AUTO),
     S("client.sending_jobs", "integer", "chunk jobs sending at once", default=4, sample=2, schema=_POS),
     S("client.request_timeout_s", "number", "one request's timeout", default=600, sample=60, schema=_POS_NUM),
     S("client.piece_timeout_s", "number", "how long a dump piece may take to appear", default=60, sample=30, schema=_POS_NUM),

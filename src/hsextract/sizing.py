@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 
 from hsextract.config_types import Config
+from hsextract.window import InFlight, Lengths, choose, for_run
 
 #: What one DP worker is assumed to prefill, tokens/s: an 8B target on one H200 (32-36k
 #: bare in the race).  A slower server (a larger model) makes each chunk last longer, the
@@ -102,7 +103,9 @@ def advice(cfg: Config, sizing: ChunkSizing) -> list[str]:
             "chunk is extracted again)"
         )
     mean = sizing.total_tokens / sizing.n_records if sizing.n_records else 0
-    window = cfg.client.sending_jobs * cfg.client.requests_in_flight * dp * mean
+    win = in_flight(cfg, sizing)
+    per_turn = win.requests * mean if win.tokens is None else min(win.tokens, win.requests * mean)
+    window = cfg.client.sending_jobs * dp * per_turn
     if sizing.n_chunks > 1 and per < window:
         out.append(
             f"a chunk (~{per:,.0f} tokens) is smaller than the requests the sending jobs "
@@ -112,7 +115,22 @@ def advice(cfg: Config, sizing: ChunkSizing) -> list[str]:
     return out
 
 
-def sizing_report(cfg: Config, sizing: ChunkSizing) -> list[str]:
-    """What ``auto`` chose, then its advice: the lines ``hsextract plan`` and every
-    ``snakemake`` invocation print."""
-    return [sizing.describe(), *(f"  note: {line}" for line in advice(cfg, sizing))]
+def in_flight(cfg: Config, sizing: ChunkSizing | None) -> InFlight:
+    """The in-flight window (hsextract.window): from the merged stats, what the launch and
+    the chunk jobs use; before the merge, from the inputs' count that sized the chunks."""
+    win = for_run(cfg)
+    if win.lengths is None and sizing is not None and sizing.n_records:
+        mean = sizing.total_tokens / sizing.n_records
+        src = "the inputs' count (the merge's stats replace it)"
+        win = choose(
+            cfg, Lengths(mean=mean, p50=None, p99=None, records=sizing.n_records, source=src)
+        )
+    return win
+
+
+def sizing_report(cfg: Config, sizing: ChunkSizing | None) -> list[str]:
+    """What ``auto`` chose, then its advice, then the in-flight window: the lines
+    ``hsextract plan`` and every ``snakemake`` invocation print."""
+    lines = [] if sizing is None else [sizing.describe()]
+    lines += [f"  note: {line}" for line in (advice(cfg, sizing) if sizing else [])]
+    return [*lines, in_flight(cfg, sizing).describe(cfg.sglang.dp_size)]

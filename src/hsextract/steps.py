@@ -20,7 +20,6 @@ from hsextract.config import (
     Config,
     dump_dir,
     fingerprint,
-    launch_settings,
     public_config,
     read_model_config,
     run_dir,
@@ -189,6 +188,7 @@ def preflight_budget(sm: Any) -> None:
     from hsextract.client import model_geometry
     from hsextract.plan import chunk_states
     from hsextract.records import read_index
+    from hsextract.window import for_run
 
     cfg = typed(sm.config)
     chunks = read_index(Path(sm.input.index))["chunks"]
@@ -198,15 +198,17 @@ def preflight_budget(sm: Any) -> None:
     states = chunk_states(run_dir(cfg), Path(sm.input.index), fingerprint(cfg), rehash=False)
     todo = [c for c, s in zip(chunks, states, strict=True) if not s.current]
     geo = model_geometry(cfg)
+    max_len = max((int(c.get("max_len", 0)) for c in todo), default=0)
     report = preflight(
         total_tokens=sum(int(c["tokens"]) for c in todo),
-        max_len=max((int(c.get("max_len", 0)) for c in todo), default=0),
+        max_len=max_len,
         hidden_size=geo.hidden_size,
         n_aux=len(geo.aux_layers),
         dtype=cfg.model.dtype,
         output_root=Path(cfg.output_root),
         dump_dir=dump_dir(cfg),
-        requests_in_flight=dp.requests_in_flight(cfg),  # both per DP replica
+        # Both per DP replica; of the longest records, as many as the token window holds.
+        requests_in_flight=for_run(cfg).worst_case_requests(max_len) * dp.dp_size(cfg),
         shm_budget_bytes=dp.shm_budget_bytes(cfg),
         chunked_prefill_size=cfg.server.chunked_prefill_size,
     )
@@ -526,7 +528,7 @@ def extract_chunk(sm: Any) -> None:
     # (logs/servers/<this>.log); a cancelled allocation's chunks are found by it.
     log.info("chunk job on %s", server.host_key())
     recorded = (server.read_json(Path(sm.input.server)) or {}).get("spec")
-    want = launch_settings(cfg)
+    want = server.spec_settings(cfg)
     if recorded is not None and recorded.get("settings") != want:
         log.warning(
             "the server settings in the config differ from %s's; the chunk runs with the "

@@ -366,6 +366,8 @@ def build_launch(
 ) -> tuple[list[str], dict[str, str]]:
     """argv and the environment variables to add, for an extraction-mode SGLang server of
     release ``rel`` (default: the configured env's, see :func:`release`)."""
+    from hsextract.window import for_run
+
     rel = rel or release(cfg)
     validate_sglang_config(cfg, rel)
     sg, server = cfg.sglang, cfg.server
@@ -379,7 +381,7 @@ def build_launch(
         "--port", str(port),
         "--context-length", str(context_length(cfg, rel.context_headroom)),
         "--chunked-prefill-size", str(server.chunked_prefill_size),
-        "--max-running-requests", str(server.max_running_requests),
+        "--max-running-requests", str(for_run(cfg).max_running),
         "--cuda-graph-backend-decode", "disabled",
         "--cuda-graph-backend-prefill", "disabled",
         "--disable-radix-cache",

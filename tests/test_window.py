@@ -1,0 +1,277 @@
+"""The in-flight window in tokens as well as requests (issue 40, Build 3): derived from the
+merged records' lengths, the server's running limit to match, said by `hsextract plan`; a
+set value wins; the client never passes either window."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import yaml
+
+from hsextract.client import _Window
+from hsextract.config import fingerprint, read_config, run_dir
+from hsextract.server import build_spec, spec_settings
+from hsextract.window import Lengths, choose, for_run, merged_lengths
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _stats(mean: float, p50: float, p99: float, records: int = 1000) -> dict:
+    length = {"mean": mean, "min": 1, "p50": p50, "p90": p99 / 2, "p99": p99, "max": p99 * 2}
+    return {"records_out": records, "tokens_out": int(mean * records), "length": length}
+
+
+def _project(tmp_path: Path, **over) -> Path:
+    """An SGLang config of a Qwen3-8B shape (config.json only), its data stage not run."""
+    model = tmp_path / "Qwen3-8B"
+    model.mkdir(exist_ok=True)
+    shape = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+             "num_hidden_layers": 36, "hidden_size": 4096, "torch_dtype": "bfloat16"}  # fmt: skip
+    (model / "config.json").write_text(json.dumps(shape))
+    shard = tmp_path / "data" / "s.jsonl"
+    shard.parent.mkdir(exist_ok=True)
+    shard.write_text(json.dumps({"input_ids": [1, 2, 3], "loss_mask": [1, 1, 1]}) + "\n")
+    cfg = yaml.safe_load((REPO / "configs" / "qwen3-8b-1xh200.yaml").read_text())
+    cfg["model"]["path"] = str(model)
+    cfg["inputs"] = [str(shard)]
+    cfg["output_root"] = str(tmp_path / "out")
+    cfg["n_chunks"] = 2
+    cfg["sglang"]["version"] = "0.5.14"  # no SGLang env here to detect it from
+    for key, value in over.items():
+        node = cfg
+        *parents, last = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _merge_stats(path: Path, stats: dict) -> Path:
+    rd = run_dir(read_config(path))
+    (rd / "merged").mkdir(parents=True, exist_ok=True)
+    out = rd / "merged" / "stats.json"
+    out.write_text(json.dumps(stats))
+    return out
+
+
+def test_short_records_get_a_larger_request_window_at_the_same_token_target(tmp_path):
+    """Chat turns (~130 tokens) and documents (~2,000) under one token target: the short
+    records get ~15x the requests, so both queue the same tokens; the server's running
+    limit follows (requests x sending jobs)."""
+    path = _project(tmp_path)
+    short = _merge_stats(path, _stats(130, 110, 500))
+    chat = for_run(read_config(path))
+    assert merged_lengths(short) == Lengths(130.0, 110.0, 500.0, 1000, str(short))
+    short.write_text(json.dumps(_stats(2000, 1900, 7000)))
+    docs = for_run(read_config(path))
+    assert chat.tokens == docs.tokens == 2 * 8192  # two extend passes a turn
+    assert chat.requests == -(-16384 // 110) == 149  # the median, below the mean
+    assert docs.requests == -(-16384 // 1900) == 9
+    assert chat.max_running == 149 * 4 and docs.max_running == 9 * 4
+    # A mix of chat turns and long documents: the turns' count (the median), not the mean's.
+    mix = choose(read_config(path), Lengths(2000, 130, 7000, 1000, "mix"))
+    assert mix.requests == -(-16384 // 130)
+
+
+def test_a_set_value_wins_and_auto_reaches_the_launch(tmp_path):
+    """The running limit is a launch flag: auto gives the derived value (argv and the
+    spec's settings, so a server started on other lengths is replaced); a number is used
+    as set.  Neither moves the fingerprint (chunk content does not depend on the window)."""
+    auto = _project(tmp_path)
+    _merge_stats(auto, _stats(130, 110, 500))
+    cfg = read_config(auto)
+    spec = build_spec(cfg, run_dir=run_dir(cfg), log_path=tmp_path / "s.log")
+    assert spec.argv[spec.argv.index("--max-running-requests") + 1] == "596"
+    assert (
+        spec.settings["max_running_requests"] == 596 == spec_settings(cfg)["max_running_requests"]
+    )
+    assert cfg.raw["server"]["max_running_requests"] == "auto"
+    fixed = read_config(
+        auto,
+        {
+            "client": {"requests_in_flight": 16, "tokens_in_flight": 4096},
+            "server": {"max_running_requests": 64},
+        },
+    )
+    assert fingerprint(fixed) == fingerprint(cfg)
+    win = for_run(fixed)
+    assert (win.tokens, win.requests, win.max_running, win.derived) == (4096, 16, 64, ())
+    spec = build_spec(fixed, run_dir=run_dir(fixed), log_path=tmp_path / "s.log")
+    assert spec.argv[spec.argv.index("--max-running-requests") + 1] == "64"
+    # Requests set, the rest auto: the limit follows the set window, and no token limit
+    # cuts it (a config tuned in requests keeps its window).
+    half = for_run(read_config(auto, {"client": {"requests_in_flight": 10}}))
+    assert (half.requests, half.max_running, half.tokens) == (10, 40, None)
+    assert "no token limit" in half.describe()
+
+
+def test_plan_says_what_it_chose_and_from_which_stats(tmp_path):
+    path = _project(tmp_path)
+    stats = _merge_stats(path, _stats(130, 110, 500, records=11_538))
+    proc = subprocess.run(
+        [sys.executable, "-m", "hsextract.cli", "plan", "--configfile", str(path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    said = [ln for ln in proc.stdout.splitlines() if ln.startswith("in flight per sending turn")]
+    assert said == [
+        "in flight per sending turn: 16,384 tokens (client.tokens_in_flight auto: 2 x "
+        "8,192-token passes), 149 requests (client.requests_in_flight auto); "
+        "server.max_running_requests 596 (auto: requests x client.sending_jobs); from p50 "
+        f"110, mean 130 tokens, p99 500, 11,538 records, {stats}"
+    ], proc.stdout + proc.stderr
+
+
+class _Turn:
+    """A sending turn held by this job alone, of ``n`` turns."""
+
+    def __init__(self, n: int, held: int = 1) -> None:
+        self.n, self.held = n, held
+
+    def held_count(self) -> int:
+        return self.held
+
+
+def test_the_window_holds_tokens_and_requests_and_lets_a_long_record_go_alone():
+    w = _Window(_Turn(1), 4, cap=64, tokens=1000, probe_s=0.0)
+    w.acquire(400)
+    w.acquire(400)
+    assert not w._room(300) and w._room(200)  # 1,100 tokens would pass the window
+    w.acquire(200)
+    w.acquire(0)
+    assert w.active == 4 and not w._room(0)  # the request window is full
+    for n in (400, 400, 200, 0):
+        w.release(n)
+    assert w.active == w.active_tokens == 0
+    assert w._room(5000)  # longer than the whole window: it goes alone
+    w.acquire(5000)
+    assert not w._room(1)
+    w.release(5000)
+    # Vacant turns' share: the token window grows with the request window.
+    w = _Window(_Turn(4), 4, cap=64, tokens=1000, probe_s=0.0)
+    assert w.limit() == 16 and w.token_limit() == 4000
+
+
+def test_concurrent_senders_never_pass_either_window():
+    """Threads as many as the window's most, records of mixed lengths (some longer than
+    the token window): what is in flight, counted outside the window, never passes the
+    requests' limit nor the tokens' (but for a long record alone), and every record goes."""
+    rng = random.Random(0)
+    lens = [int(rng.lognormvariate(4.6, 0.8)) + 1 for _ in range(3000)] + [3000] * 20
+    rng.shuffle(lens)
+    w = _Window(_Turn(1), 16, cap=64, tokens=2048, probe_s=0.0)
+    lock = threading.Lock()
+    now = {"n": 0, "tokens": 0}
+    seen = {"n": 0, "tokens": 0, "done": 0, "bad": []}
+
+    def one(n: int) -> None:
+        w.acquire(n)
+        try:
+            with lock:
+                now["n"] += 1
+                now["tokens"] += n
+                seen["n"] = max(seen["n"], now["n"])
+                seen["tokens"] = max(seen["tokens"], now["tokens"])
+                if now["n"] > 16 or (now["tokens"] > 2048 and now["n"] > 1):
+                    seen["bad"].append(dict(now))
+            with lock:
+                now["n"] -= 1
+                now["tokens"] -= n
+                seen["done"] += 1
+        finally:
+            w.release(n)
+
+    with ThreadPoolExecutor(max_workers=w.most) as pool:
+        for f in [pool.submit(one, n) for n in lens]:
+            f.result(timeout=120)
+    assert seen["bad"] == [] and seen["done"] == len(lens)
+    assert seen["n"] <= 16 and w.peak <= 16
+    assert w.tokens_peak <= max(2048, 3000)  # the 3,000-token records went alone
+
+
+def test_the_window_keys_take_auto_or_a_count_and_refuse_the_rest_in_a_sentence(tmp_path):
+    """auto and a count are taken (plan gets as far as the missing split); anything else
+    is one sentence naming the key, no traceback."""
+
+    def plan(value) -> subprocess.CompletedProcess:
+        path = _project(tmp_path, **{"client.tokens_in_flight": value})
+        return subprocess.run(
+            [sys.executable, "-m", "hsextract.cli", "plan", "--configfile", str(path)],
+            cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+    for value, said in (("auto", "16,384 tokens"), (3000, "3,000 tokens (client.tokens")):
+        proc = plan(value)
+        assert said in proc.stdout and "chunks/index.json does not exist yet" in proc.stderr, (
+            proc.stdout + proc.stderr
+        )
+    for value in (0, -3, "many", True):
+        proc = plan(value)
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and "tokens_in_flight" in lines[0], proc.stderr
+
+
+def test_the_reference_engine_never_sees_more_than_either_window(demo_run, tmp_path, monkeypatch):
+    """One chunk through the reference engine, one sending turn, 4 requests and 600 tokens
+    a turn (more than any demo record, less than its four longest together): the most the
+    server held at once, counted on its side between arrival and answer, stays within
+    both; the server was started with the running limit auto derived (4 x 1 turn); the
+    chunk holds the workflow's states."""
+    import copy
+    import os
+
+    import requests
+    import torch
+
+    from hsextract import server
+    from hsextract.chunks import ChunkReader
+    from hsextract.client import extract_chunk
+    from hsextract.config import load_config, typed
+    from hsextract.records import load_chunk
+
+    workdir, rd = demo_run["workdir"], demo_run["run_dir"]
+    monkeypatch.chdir(workdir)
+    raw = copy.deepcopy(load_config(workdir / "config.yaml"))
+    raw["client"].update(requests_in_flight=4, tokens_in_flight=600, sending_jobs=1)
+    raw["server"]["max_running_requests"] = "auto"
+    raw["dump"]["dir"] = str(tmp_path / "dump")
+    cfg = typed(raw)
+    chunk = max(demo_run["manifest"]["chunks"], key=lambda c: c["records"])
+    name = Path(chunk["path"]).stem
+    lens = sorted(len(r.input_ids) for r in load_chunk(rd / "chunks" / f"{name}.jsonl", None))
+    assert lens[-1] <= 600 < sum(lens[-4:]), lens  # the token window has work to do
+    spec = server.build_spec(cfg, run_dir=tmp_path, log_path=tmp_path / "server.log")
+    assert spec.argv[spec.argv.index("--max-running-requests") + 1] == "4"
+    state = server.start(spec, owner=os.getpid())
+    try:
+        sidecar = extract_chunk(
+            cfg,
+            chunk_path=rd / "chunks" / f"{name}.jsonl",
+            index_path=rd / "chunks" / "index.json",
+            out_path=tmp_path / f"{name}.safetensors",
+            sidecar_path=tmp_path / f"{name}.json",
+            ensure=lambda: state,
+            progress=False,
+        )
+        seen = requests.get(f"{state['url']}/get_server_info", timeout=30).json()
+    finally:
+        server.stop(state)
+    peak = seen["peak_in_flight"]
+    assert 1 <= peak["requests"] <= 4 and lens[-1] <= peak["tokens"] <= 600, peak
+    assert sidecar["window"][1] <= 4
+    assert sidecar["window_tokens"][0] == 600 and sidecar["window_tokens"][1] <= 600
+    got, want = ChunkReader(tmp_path / f"{name}.safetensors"), ChunkReader(rd / chunk["path"])
+    assert got.record_ids == want.record_ids
+    for j in range(len(want.record_ids)):
+        a, b = got[j], want[j]
+        assert torch.equal(a["input_ids"], b["input_ids"]), (name, j)
+        for key in ("hidden_states", "aux_hidden_states"):  # other batches: float32 noise
+            assert (a[key] - b[key]).abs().max().item() <= 1e-5, (name, j, key)
