@@ -168,28 +168,28 @@ def raw_bytes_per_token(cfg_path: Path) -> int:
     return bytes_per_token(geo.hidden_size, len(geo.aux_layers), dtype)
 
 
-def predicted_chunks(lens: list[int], n: int) -> list[int]:
-    """Each chunk's tokens as split_chunks will make them: record i (id ``r{i:06d}``,
-    race.write_records) goes to chunk ``id_hash(id) % n``."""
-    from hsextract.records import id_hash
-
+def predicted_chunks(lens: list[int], hashes: list[int], n: int) -> list[int]:
+    """Each chunk's tokens as split_chunks will make them: a record goes to chunk
+    ``id_hash(id) % n``."""
     out = [0] * n
-    for i, t in enumerate(lens):
-        out[id_hash(f"r{i:06d}") % n] += t
+    for h, t in zip(hashes, lens, strict=True):
+        out[h % n] += t
     return out
 
 
 def choose_chunks(lens: list[int], bpt: int, frac: float, forced: int | None) -> dict:
     """The least n_chunks whose largest chunk the gate accepts under ``frac`` of the run's
     estimated bytes (its own check, hsextract.stream.gate.check_window)."""
+    from hsextract.records import id_hash
     from hsextract.stream.gate import BudgetRefused, StreamSettings, check_window
 
+    hashes = [id_hash(f"r{i:06d}") for i in range(len(lens))]  # race.write_records' ids
     total = sum(lens)
     budget = int(frac * total * bpt)
     ss = StreamSettings(budget_bytes=budget, **STREAM)
     candidates = [forced] if forced else range(1, len(lens) + 1)
     for n in candidates:
-        tokens = predicted_chunks(lens, n)
+        tokens = predicted_chunks(lens, hashes, n)
         try:
             check_window(ss, max(tokens) * bpt, total * bpt)
         except BudgetRefused as exc:
@@ -542,18 +542,27 @@ def run_workflow(
             except subprocess.TimeoutExpired:
                 stop_group(proc)
                 out["rc"] = f"timed out after {timeout_s:.0f} s"
+            except BaseException:  # SIGTERM (the harness's limit), Ctrl-C: stop what we started
+                stop_group(proc, 10)
+                if cons is not None:
+                    stop_group(cons[0], 5)
+                raise
             out["snakemake_s"] = round(time.time() - t_start, 1)
             stop_reclaim.set()
             if reclaim:
                 reclaimer.join()
                 out["reclaim"] = ledger
-        if cons is not None:  # it ends at the pass's end; a failed run never ends it
+        if cons is not None:
             proc_c, path_c, log_c = cons
+            # It ends at the pass's end; a run that never announced it never ends it.
+            ended = any(x.get("type") == "end_pass" for x in jsonl(rd / "stream" / "journal.jsonl"))
             try:
-                out["consumer_rc"] = proc_c.wait(timeout=consumer["fallback_s"] + 60)
+                out["consumer_rc"] = proc_c.wait(
+                    timeout=consumer["fallback_s"] + 60 if ended else 5
+                )
             except subprocess.TimeoutExpired:
                 stop_group(proc_c, 5)
-                out["consumer_rc"] = "killed: it had not read the whole pass"
+                out["consumer_rc"] = "stopped: it had not read the whole pass"
             log_c.close()
             out["consumer"] = json.loads(path_c.read_text()) if path_c.exists() else None
     out.update(smp.report())
@@ -778,6 +787,8 @@ def main() -> None:
     jobs = args.jobs or (2 if args.quick else 12)
     t_begin = time.monotonic()
     deadline = t_begin + args.budget_s
+    # h200/run.sh's `timeout` sends SIGTERM: the figures so far are still written (finally).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Path(args.work).resolve()
     own_work_dir(work)
     out_dir = Path(args.out or work / "out").resolve()
@@ -936,7 +947,8 @@ def main() -> None:
             ],
             check=False,
         )
-    summarize(results, out_dir, time.monotonic() - t_begin)
+        # What was measured is summed up even when a run failed or time ran out.
+        summarize(results, out_dir, time.monotonic() - t_begin)
 
 
 def summarize(results: dict, out_dir: Path, elapsed: float) -> None:
@@ -978,9 +990,7 @@ def summarize(results: dict, out_dir: Path, elapsed: float) -> None:
             f"{results['model']}, {results['tokens']:,} tokens, "
             f"{results['plan']['n_chunks']} chunks; budget {budget / GB:.3g} GB "
             f"({results['budget_frac']:g} of raw); sending rate budget/none "
-            f"{ratio:.3f}"
-            if ratio
-            else ""
+            + (f"{ratio:.3f}" if ratio else "n/a")
         )
         write_png(out_dir / "disk.png", runs, budget, largest, title)
     print(
