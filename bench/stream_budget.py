@@ -346,9 +346,9 @@ def consume(args: argparse.Namespace) -> None:
     run_dir = Path(args.run_dir)
     sdir = run_dir / "stream"
     ds = StreamDataset(run_dir, rank=0, world=1, seed=0, layout="raw", poll_s=0.05)
-    dl = DataLoader(
-        ds, batch_size=None, num_workers=args.workers, prefetch_factor=4 if args.workers else None
-    )
+    # Workers split a chunk's records (decoding in parallel) and each checks its sha256;
+    # torch's default prefetch (2 samples a worker): an 8k-token record is ~270 MB raw.
+    dl = DataLoader(ds, batch_size=None, num_workers=args.workers)
     acker = AckWriter(run_dir)
     lock = threading.Lock()
     read_at: dict[int, float] = {}  # seq -> when its last record came in
@@ -398,6 +398,7 @@ def consume(args: argparse.Namespace) -> None:
                 return
 
     done_at = 0.0
+    samples = iter(dl)  # forks the loader workers: before this process has a second thread
     acker_thread = threading.Thread(target=acks, daemon=True)
     acker_thread.start()
     ids: list[str] = []
@@ -405,7 +406,7 @@ def consume(args: argparse.Namespace) -> None:
     records_of: dict[int, int] = {}
     tokens = raw_bytes = 0
     first = last_t = None
-    for sample in dl:
+    for sample in samples:
         now = time.time()
         first = first or now
         last_t = now
@@ -753,7 +754,7 @@ def main() -> None:
         help="stream.budget_gb as a fraction of the run's estimated bytes (0.05; quick 0.75)",
     )
     ap.add_argument("--jobs", type=int, default=None, help="snakemake -j (12; quick 2)")
-    ap.add_argument("--consumer-workers", type=int, default=2, help="its DataLoader workers")
+    ap.add_argument("--consumer-workers", type=int, default=3, help="its DataLoader workers")
     ap.add_argument(
         "--ack-fallback-s",
         type=float,
@@ -1048,7 +1049,7 @@ if __name__ == "__main__":
         p = argparse.ArgumentParser()
         for k in ("--run-dir", "--snakemake-log", "--out"):
             p.add_argument(k, required=True)
-        p.add_argument("--workers", type=int, default=2)
+        p.add_argument("--workers", type=int, default=3)
         p.add_argument("--ack-fallback-s", type=float, default=10.0)
         consume(p.parse_args(sys.argv[2:]))
     else:
