@@ -137,6 +137,23 @@ def changed_note(run):
     return note(run)
 
 
+def chunk_outputs():
+    """extract_chunk's outputs: the chunk file and its sidecar; under a disk budget
+    (stream.budget_gb) the sidecar alone, the chunk's receipt (hsextract.stream.receipts):
+    the stream deletes an acknowledged chunk file, and the chunk is done, not missing."""
+    out = {"hidden": run_path("hidden/chunk_{chunk}.safetensors")}
+    if CFG.stream.budget_gb is not None:
+        out = {}
+    return {**out, "sidecar": run_path("hidden/chunk_{chunk}.json")}
+
+
+def chunk_targets():
+    """extract_all's chunk files: the chunk files, or under a disk budget the receipts
+    (a payload lost before its ack is found by the plan: plan.changed_note)."""
+    name = "json" if CFG.stream.budget_gb is not None else "safetensors"
+    return expand(run_path(f"hidden/chunk_{{chunk}}.{name}"), chunk=CHUNK_IDS)
+
+
 def chunk_inputs(wildcards):
     """A chunk job's inputs once plan_chunks has run (Snakemake re-evaluates it then).
 

@@ -47,6 +47,10 @@ rule note_changed_chunks:
         "../scripts/note_changed_chunks.py"
 
 
+# Outputs (chunk_outputs in common.smk): the chunk file and its sidecar; under a disk
+# budget (stream.budget_gb) the sidecar alone -- the receipt -- and the chunk file a param:
+# the stream deletes it once the trainer acked it, which must not make the chunk missing,
+# nor a job whose file was freed between its end and Snakemake's check of its outputs fail.
 # Upstream inputs through ancient(): a relaunched server or a re-stamped state file never
 # makes a finished chunk look out of date; the plan alone decides.  The chunk's records
 # file is a param, reached through the index (see chunk_index in data.smk): as an input,
@@ -57,14 +61,14 @@ rule extract_chunk:
     input:
         unpack(chunk_inputs),
     output:
-        hidden=run_path("hidden/chunk_{chunk}.safetensors"),
-        sidecar=run_path("hidden/chunk_{chunk}.json"),
+        **chunk_outputs(),
     log:
         run_path("logs/extract_chunk_{chunk}.log"),
     benchmark:
         run_path("benchmarks/extract_chunk_{chunk}.tsv")
     params:
         chunk=run_path("chunks/chunk_{chunk}.jsonl"),
+        hidden=run_path("hidden/chunk_{chunk}.safetensors"),
     # sglang.dp_size x tp_size (0 for the reference engine): under SLURM, --gpus per group.
     resources:
         gpu=SERVER_GPUS,

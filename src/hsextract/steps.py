@@ -539,7 +539,7 @@ def extract_chunk(sm: Any) -> None:
         chunk_path=Path(sm.params.chunk),
         index_path=Path(sm.input.index),
         merged_path=Path(sm.input.merged),
-        out_path=Path(sm.output.hidden),
+        out_path=Path(sm.params.hidden),
         sidecar_path=Path(sm.output.sidecar),
         ensure=lambda: ensure_server(cfg),
     )
@@ -583,7 +583,7 @@ def _stream_gate(cfg: Config, sm: Any):
         return None
     from hsextract.stream.producer import ChunkStream
 
-    return ChunkStream.open(cfg, hidden=Path(sm.output.hidden), index=Path(sm.input.index))
+    return ChunkStream.open(cfg, hidden=Path(sm.params.hidden), index=Path(sm.input.index))
 
 
 def manifest(sm: Any) -> None:

@@ -161,17 +161,25 @@ def reservations(sdir: Path, *, exclude: str | None = None) -> dict[str, int]:
 
 
 def unacked_bytes(run_dir: Path, st: StreamState, final_pass: int) -> int:
-    return sum(_on_disk(run_dir, c) for c in st.unacked(final_pass))
+    """What announced, unacked chunks hold on disk; one whose payload is gone (lost
+    before its ack, or nacked and deleted) counts its announced bytes: it will be redone
+    past the gate (see wait_for_room), so its room stays held."""
+    return sum(_on_disk(run_dir, c) or int(c["bytes"]) for c in st.unacked(final_pass))
 
 
-def delete_acked(run_dir: Path, st: StreamState, final_pass: int) -> list[str]:
+def delete_acked(
+    run_dir: Path, st: StreamState, final_pass: int, *, keep: str | None = None
+) -> list[str]:
     """Remove the payload of every chunk acked for good; only a file the journal names,
     under the run dir, of the size the journal recorded (anything else is not what we
-    wrote, and is left alone).  The sidecar stays (the receipt)."""
+    wrote, and is left alone).  The sidecar stays (the receipt, stream.receipts); the
+    line says which bytes it stands for.  ``keep``: the chunk the calling job just wrote
+    (an acked chunk redone on request): its payload is a declared output Snakemake checks
+    when the job ends, so the next job's gate frees it."""
     sdir = stream_dir(run_dir)
     gone = []
     for seq, c in sorted(st.chunks.items()):
-        if not st.is_acked(seq, final_pass):
+        if not st.is_acked(seq, final_pass) or c["chunk"] == keep:
             continue
         p = (run_dir / c["path"]).resolve()
         if run_dir.resolve() not in p.parents or p.is_symlink():
@@ -184,7 +192,15 @@ def delete_acked(run_dir: Path, st: StreamState, final_pass: int) -> list[str]:
         p.unlink()
         append_line(
             sdir / DELETED,
-            {"seq": seq, "path": c["path"], "bytes": c["bytes"], "at": round(time.time(), 3)},
+            {
+                "seq": seq,
+                "chunk": c["chunk"],
+                "path": c["path"],
+                "bytes": c["bytes"],
+                "sha256": c["sha256"],
+                "why": "ack",
+                "at": round(time.time(), 3),
+            },  # fmt: skip
         )
         gone.append(c["path"])
     return gone
@@ -243,6 +259,13 @@ def wait_for_room(
                 check_window(ss, largest_tokens * bpt, run_tokens * bpt)
                 first = False
             delete_acked(run_dir, st, ss.final_pass)
+            if any(c["chunk"] == chunk for c in st.unacked(ss.final_pass)):
+                # A redo of a chunk announced and not acked (its payload lost, or nacked):
+                # its room is held (unacked_bytes), and the trainer waits for it, so
+                # waiting here for acks would deadlock both.  No reservation: its bytes
+                # count already.
+                return {"waited_s": 0.0, "unacked_bytes": unacked_bytes(run_dir, st, ss.final_pass),
+                        "reserved_bytes": 0, "estimate_bytes": 0, "redo": True}  # fmt: skip
             est = estimate_bytes(st, tokens, raw_bytes_per_token)
             unacked = unacked_bytes(run_dir, st, ss.final_pass)
             others = sum(reservations(sdir, exclude=chunk).values())
@@ -315,7 +338,7 @@ def summary(run_dir: Path, final_pass: int = 1, *, budget_bytes: int | None = No
     st = read_state(sdir)
     unacked = st.unacked(final_pass)
     oldest = min(unacked, key=lambda c: c["at"], default=None)
-    deleted = read_lines(sdir / DELETED)
+    deleted = [d for d in read_lines(sdir / DELETED) if d.get("why", "ack") == "ack"]
     return {
         "announced": len(st.chunks),
         "acked": sum(1 for s in st.chunks if st.is_acked(s, final_pass)),

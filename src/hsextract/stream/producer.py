@@ -85,9 +85,11 @@ def after_chunk(
     finally:
         gate.release(run_dir, chunk)
     with journal.locked(journal.stream_dir(run_dir)):
-        # Acked while this chunk was made (or this one itself, redone after its ack):
-        # freed now, not at the next chunk's gate, which the last chunks never reach.
-        gate.delete_acked(run_dir, journal.read_state(journal.stream_dir(run_dir)), ss.final_pass)
+        # Acked while this chunk was made: freed now, not at the next chunk's gate, which
+        # the last chunks never reach.  This one itself (redone after its ack) is left to
+        # the next gate: Snakemake checks its outputs when the job ends.
+        st = journal.read_state(journal.stream_dir(run_dir))
+        gate.delete_acked(run_dir, st, ss.final_pass, keep=chunk)
     if new:
         log.info("%s: announced to the trainer as seq %d", chunk, seq)
     else:

@@ -1,0 +1,160 @@
+"""Snakemake stays the engine under a disk budget (issue 39): a chunk the stream deleted
+after the trainer's ack is done, not missing (its sidecar is the receipt); a payload lost
+before its ack, or nacked by the trainer, is redone -- announced once, or as a new
+revision the reader opens.  The real workflow (reference engine, 4 chunks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from fixtures_demo import (
+    kill_processes_under,
+    make_workdir,
+    planned_jobs,
+    run_dir_of,
+    run_snakemake,
+)
+
+from hsextract.stream import journal
+from hsextract.stream.reader import StreamDataset
+
+CONFIG = {
+    "n_chunks": 4,
+    "demo.n_records": 16,
+    "max_seq_len": 128,
+    "dump.dir": "shm/dump",
+    "server.health_timeout_s": 120,
+    # A budget the tiny run never fills: these tests are about deletion and redo, not waiting.
+    "stream.budget_gb": 1.0,
+    "stream.trainer_ranks": 1,
+    "stream.prefetch_chunks": 1,
+    "stream.checkpoint_chunks": 1,
+    "stream.poll_s": 0.2,
+}
+
+
+def workdir(tmp_path: Path) -> tuple[Path, Path]:
+    wd = make_workdir(tmp_path / "w", **CONFIG)
+    (wd / "shm").mkdir()
+    return wd, run_dir_of(wd)
+
+
+def rel(rd: Path, wd: Path, name: str) -> str:
+    return str((rd / "hidden" / name).relative_to(wd))
+
+
+def chunk_lines(rd: Path) -> list[dict]:
+    return [
+        ln for ln in journal.read_lines(rd / "stream" / "journal.jsonl") if ln["type"] == "chunk"
+    ]
+
+
+def hsextract(wd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hsextract.cli", *args], cwd=wd, capture_output=True, text=True
+    )
+
+
+def all_ids(rd: Path) -> Counter:
+    return Counter(
+        json.loads(line)["id"]
+        for p in sorted((rd / "chunks").glob("chunk_*.jsonl"))
+        for line in p.read_text().splitlines()
+    )
+
+
+@pytest.mark.workflow
+def test_acked_deleted_chunks_are_done_and_a_payload_lost_before_its_ack_is_redone(tmp_path):
+    wd, rd = workdir(tmp_path)
+    sdir = rd / "stream"
+    try:
+        # Chunks 0 and 1 extracted and announced; the trainer's checkpoint covers them.
+        run_snakemake(wd, "-j1", rel(rd, wd, "chunk_00000.json"), rel(rd, wd, "chunk_00001.json"))
+        journal.AckWriter(rd).ack([0, 1])
+        # The rest: chunk 2's and 3's jobs free the acked payloads (their gates).
+        run_snakemake(wd, "-j1", "extract_all")
+        deleted = journal.read_lines(sdir / "deleted.jsonl")
+        assert sorted(d["chunk"] for d in deleted) == ["chunk_00000", "chunk_00001"]
+        assert not (rd / "hidden" / "chunk_00000.safetensors").exists()
+        assert (rd / "hidden" / "chunk_00000.json").exists()  # the receipt stays
+
+        # Done, not missing: nothing to plan, status counts them, verify accepts them.
+        dry = run_snakemake(wd, "-n", "extract_all")
+        assert "Nothing to be done" in dry.stdout, dry.stdout[-3000:]
+        status = hsextract(wd, "status", "--configfile", "config.yaml")
+        assert "chunks    4 of 4 done" in status.stdout, status.stdout + status.stderr
+        manifest = json.loads((rd / "manifest.json").read_text())
+        freed = [c["chunk"] for c in manifest["chunks"] if c.get("deleted_after_ack")]
+        assert freed == ["chunk_00000", "chunk_00001"]
+        verify = hsextract(wd, "verify", str(rd / "manifest.json"))
+        assert verify.returncode == 0, verify.stdout + verify.stderr
+        assert "2 chunk(s) deleted after the trainer's ack" in verify.stdout
+
+        # A payload gone before its ack (seq 2, announced, not acked): planned and redone,
+        # announced once.
+        (rd / "hidden" / "chunk_00002.safetensors").unlink()
+        dry = planned_jobs(run_snakemake(wd, "-n", "extract_all").stdout)
+        assert dry.get("plan_chunks") == 1 and dry.get("extract_chunk"), dry  # plan, then redo
+        stamps = {p.name: p.stat().st_mtime_ns for p in (rd / "hidden").glob("*.json")}
+        res = run_snakemake(wd, "-j1", "extract_all")
+        assert (res.stdout + res.stderr).count("rule extract_chunk:") == 1
+        assert (rd / "hidden" / "chunk_00002.safetensors").exists()
+        now = {p.name: p.stat().st_mtime_ns for p in (rd / "hidden").glob("*.json")}
+        assert [n for n in sorted(now) if now[n] != stamps[n]] == ["chunk_00002.json"]
+        lines = chunk_lines(rd)
+        assert Counter(ln["chunk"] for ln in lines) == {f"chunk_{i:05d}": 1 for i in range(4)}
+        assert "Nothing to be done" in run_snakemake(wd, "-n", "extract_all").stdout
+    finally:
+        kill_processes_under(wd)
+
+
+@pytest.mark.workflow
+def test_a_nacked_chunk_is_redone_as_a_new_revision_the_reader_accepts(tmp_path):
+    wd, rd = workdir(tmp_path)
+    try:
+        run_snakemake(wd, "-j1", "extract_all")
+        want = all_ids(rd)
+        # Chunk 1's bytes rot on disk, its mtime unchanged: only the trainer's sha256 check
+        # (its nack) can tell.
+        p = rd / "hidden" / "chunk_00001.safetensors"
+        st = p.stat()
+        data = bytearray(p.read_bytes())
+        data[-1] ^= 0xFF
+        p.write_bytes(bytes(data))
+        os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+        seq1 = next(ln for ln in chunk_lines(rd) if ln["chunk"] == "chunk_00001")["seq"]
+
+        ds = StreamDataset(rd, world=1, timeout_s=60)
+        seen: list[str] = []
+        with pytest.raises(journal.StreamError, match="nacked"):
+            for s in ds:
+                seen.append(s["id"])
+        state = ds.state_dict()  # the trainer's checkpoint: what it consumed
+        assert list(journal.read_state(rd / "stream").nacked) == [seq1]
+
+        # The next extract_all plans again (dry: the plan), removes the nacked payload and
+        # its sidecar, redoes the chunk: a new revision of the same seq.
+        dry = run_snakemake(wd, "-n", "extract_all")
+        assert "plan_chunks" in planned_jobs(dry.stdout), dry.stdout[-3000:]
+        run_snakemake(wd, "-j1", "extract_all")
+        deleted = journal.read_lines(rd / "stream" / "deleted.jsonl")
+        assert [(d["chunk"], d["why"]) for d in deleted] == [("chunk_00001", "nack")]
+        revs = [ln for ln in chunk_lines(rd) if ln["seq"] == seq1]
+        assert [ln["rev"] for ln in revs] == [0, 1]
+        assert revs[1]["sha256"] == revs[0]["sha256"]  # the reference engine: bit-deterministic
+        assert len(chunk_lines(rd)) == 5  # nothing else announced again
+        assert "Nothing to be done" in run_snakemake(wd, "-n", "extract_all").stdout
+
+        # The trainer resumed from its checkpoint reads the new revision: every record once.
+        resumed = StreamDataset(rd, world=1, timeout_s=60)
+        resumed.load_state_dict(state)
+        seen += [s["id"] for s in resumed]
+        assert Counter(seen) == want
+    finally:
+        kill_processes_under(wd)
