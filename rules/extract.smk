@@ -80,6 +80,35 @@ rule extract_chunk:
         "../scripts/extract_chunk.py"
 
 
+# stream.epochs_mode regenerate (passes > 1, under a disk budget): pass p re-extracts every
+# chunk into hidden/pass<p>/ -- its receipt the output, as above -- announced for pass p; the
+# report counts the chunks whose sha256 matches pass 1's.  After every receipt of pass p-1
+# (ancient: order only): a trainer reads the passes in turn, and a pass-p chunk admitted
+# to the budget ahead of pass p-1's last would hold room the trainer needs first.
+rule extract_chunk_pass:
+    input:
+        unpack(chunk_pass_inputs),
+    output:
+        sidecar=run_path("hidden/pass{p}/chunk_{chunk}.json"),
+    log:
+        run_path("logs/extract_chunk_pass{p}_{chunk}.log"),
+    benchmark:
+        run_path("benchmarks/extract_chunk_pass{p}_{chunk}.tsv")
+    params:
+        chunk=run_path("chunks/chunk_{chunk}.jsonl"),
+        hidden=run_path("hidden/pass{p}/chunk_{chunk}.safetensors"),
+        stream_pass=lambda wildcards: int(wildcards.p),
+    resources:
+        gpu=SERVER_GPUS,
+    wildcard_constraints:
+        chunk=r"\d{5}",
+        p=r"[1-9]\d*",
+    conda:
+        "../envs/hsextract.yaml"
+    script:
+        "../scripts/extract_chunk.py"
+
+
 rule manifest:
     input:
         sidecars=expand(run_path("hidden/chunk_{chunk}.json"), chunk=CHUNK_IDS),

@@ -158,3 +158,41 @@ def test_a_nacked_chunk_is_redone_as_a_new_revision_the_reader_accepts(tmp_path)
         assert Counter(seen) == want
     finally:
         kill_processes_under(wd)
+
+
+@pytest.mark.workflow
+def test_regenerate_pass_2_re_extracts_the_deleted_chunks_and_the_report_counts_matches(tmp_path):
+    wd = make_workdir(
+        tmp_path / "w", **CONFIG, **{"stream.epochs_mode": "regenerate", "stream.passes": 2}
+    )
+    (wd / "shm").mkdir()
+    rd = run_dir_of(wd)
+    sdir = rd / "stream"
+    try:
+        # Pass 1, read and acked by the trainer; then the rest: pass 2 re-extracts.
+        run_snakemake(wd, "-j1", *(rel(rd, wd, f"chunk_{i:05d}.json") for i in range(4)))
+        want = all_ids(rd)
+        journal.AckWriter(rd).ack([0, 1, 2, 3], pass_=1)
+        run_snakemake(wd, "-j1", "extract_all")
+        deleted = journal.read_lines(sdir / "deleted.jsonl")
+        assert sorted(d["path"] for d in deleted) == [
+            f"hidden/chunk_{i:05d}.safetensors" for i in range(4)
+        ]
+        lines = chunk_lines(rd)
+        again = [ln for ln in lines if ln["pass"] == 2]
+        assert sorted(ln["chunk"] for ln in again) == [f"chunk_{i:05d}" for i in range(4)]
+        assert all((rd / ln["path"]).exists() for ln in again)  # not acked yet: on disk
+        first = {ln["chunk"]: ln["sha256"] for ln in lines if ln["pass"] == 1}
+        assert all(ln["sha256"] == first[ln["chunk"]] for ln in again)
+        ends = [ln for ln in journal.read_lines(sdir / "journal.jsonl") if ln["type"] == "end_pass"]
+        assert [e["pass"] for e in ends] == [1, 2]
+        page = (rd / "report" / "run.html").read_text()
+        assert "pass 2 re-extracted" in page and "4 chunks, 4 with pass 1&#x27;s sha256" in page
+        assert "Nothing to be done" in run_snakemake(wd, "-n", "extract_all").stdout
+
+        # The trainer's pass 2 reads the re-extracted chunks: every record once.
+        ds = StreamDataset(rd, world=1, timeout_s=60, epochs_mode="regenerate")
+        ds.set_pass(2)
+        assert Counter(s["id"] for s in ds) == want
+    finally:
+        kill_processes_under(wd)

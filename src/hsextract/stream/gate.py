@@ -173,13 +173,13 @@ def delete_acked(
     """Remove the payload of every chunk acked for good; only a file the journal names,
     under the run dir, of the size the journal recorded (anything else is not what we
     wrote, and is left alone).  The sidecar stays (the receipt, stream.receipts); the
-    line says which bytes it stands for.  ``keep``: the chunk the calling job just wrote
+    line says which bytes it stands for.  ``keep``: the path the calling job just wrote
     (an acked chunk redone on request): its payload is a declared output Snakemake checks
     when the job ends, so the next job's gate frees it."""
     sdir = stream_dir(run_dir)
     gone = []
     for seq, c in sorted(st.chunks.items()):
-        if not st.is_acked(seq, final_pass) or c["chunk"] == keep:
+        if not st.is_acked(seq, final_pass) or c["path"] == keep:
             continue
         p = (run_dir / c["path"]).resolve()
         if run_dir.resolve() not in p.parents or p.is_symlink():
@@ -238,12 +238,14 @@ def wait_for_room(
     largest_tokens: int,
     run_tokens: int,
     on_wait: Callable[[dict[str, Any]], None] | None = None,
+    redo_of: tuple[str, int] | None = None,
 ) -> dict[str, Any]:
     """Block until this chunk fits the budget, then reserve its estimate; the figures.
 
     The gate opens while ``unacked + estimate <= budget``; once it refused it stays shut
     for every chunk job until unacked bytes fall to ``low_mark x budget``.  A waiting job
     watches the ack file (its size and mtime) with a poll of at most ``poll_s``.
+    ``redo_of``: (chunk, pass) when ``chunk`` is the gate's key for another pass's job.
     """
     run_dir = Path(run_dir)
     sdir = stream_dir(run_dir)
@@ -259,7 +261,8 @@ def wait_for_room(
                 check_window(ss, largest_tokens * bpt, run_tokens * bpt)
                 first = False
             delete_acked(run_dir, st, ss.final_pass)
-            if any(c["chunk"] == chunk for c in st.unacked(ss.final_pass)):
+            name, pass_ = redo_of or (chunk, 1)
+            if any(c["chunk"] == name and c["pass"] == pass_ for c in st.unacked(ss.final_pass)):
                 # A redo of a chunk announced and not acked (its payload lost, or nacked):
                 # its room is held (unacked_bytes), and the trainer waits for it, so
                 # waiting here for acks would deadlock both.  No reservation: its bytes

@@ -52,7 +52,8 @@ def deleted_after_ack(run_dir: str | Path) -> dict[str, dict[str, Any]]:
         return {}
     last: dict[str, dict[str, Any]] = {}
     for d in lines:
-        last[str(d["path"])] = d
+        if Path(d["path"]).parent == Path("hidden"):  # pass 1's; later passes' are no receipts
+            last[str(d["path"])] = d
     st: StreamState | None = None
     out: dict[str, dict[str, Any]] = {}
     for path, d in last.items():
@@ -150,3 +151,21 @@ def redo_nacked(run_dir: str | Path) -> list[str]:
             )  # fmt: skip
             done.append(chunk)
     return done
+
+
+def regenerated(run_dir: str | Path) -> dict[str, Any]:
+    """epochs_mode regenerate: per later pass, its chunks re-extracted and how many have
+    pass 1's sha256 (all of them with a bit-deterministic engine); for the report."""
+    st = read_state(stream_dir(run_dir))
+    first = {c["chunk"]: c["sha256"] for c in st.chunks.values() if c["pass"] == 1}
+    out: dict[str, Any] = {}
+    for c in sorted(st.chunks.values(), key=lambda c: (c["pass"], c["chunk"])):
+        if c["pass"] == 1:
+            continue
+        p = out.setdefault(str(c["pass"]), {"chunks": 0, "matched": 0, "differ": []})
+        p["chunks"] += 1
+        if first.get(c["chunk"]) == c["sha256"]:
+            p["matched"] += 1
+        else:
+            p["differ"].append(c["chunk"])
+    return out
