@@ -9,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -21,7 +23,8 @@ from fixtures_demo import (
     run_snakemake,
 )
 
-from hsextract.stream import journal
+from hsextract.chunkfile import sha256_file
+from hsextract.stream import gate, journal
 from hsextract.stream.reader import StreamDataset
 
 CONFIG = {
@@ -67,6 +70,65 @@ def all_ids(rd: Path) -> Counter:
         for p in sorted((rd / "chunks").glob("chunk_*.jsonl"))
         for line in p.read_text().splitlines()
     )
+
+
+# -- fast: the journal and the gate, no workflow -----------------------------------------
+
+
+def one_chunk(run_dir: Path, i: int = 0) -> dict:
+    """A chunk file (any bytes: the journal and gate only stat and hash it) and its line."""
+    p = run_dir / "hidden" / f"chunk_{i:05d}.safetensors"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_bytes(bytes(range(256)) * 4)
+    return {"chunk": p.stem, "path": f"hidden/{p.name}", "sha256": sha256_file(p),
+            "records": 2, "tokens": 6, "content_digest": f"d{i}"}  # fmt: skip
+
+
+def test_a_redo_after_a_nack_is_a_new_revision_even_with_the_same_bytes(tmp_path):
+    side = one_chunk(tmp_path)
+    assert journal.announce(tmp_path, n_chunks=2, **side) == (0, True)
+    assert journal.announce(tmp_path, n_chunks=2, **side) == (0, False)  # a rerun: once
+    journal.AckWriter(tmp_path).nack(0, side["sha256"], "f" * 64)  # the reader's, of rev 0
+    # The redo (bit-deterministic: the same bytes) answers the nack with revision 1, once.
+    assert journal.announce(tmp_path, n_chunks=2, **side) == (0, True)
+    assert journal.announce(tmp_path, n_chunks=2, **side) == (0, False)
+    assert [ln["rev"] for ln in chunk_lines(tmp_path)] == [0, 1]
+    assert journal.read_state(tmp_path / "stream").chunks[0]["rev"] == 1  # what readers open
+
+
+def test_a_payload_lost_before_its_ack_keeps_its_room_and_its_redo_passes_the_gate(tmp_path):
+    sides = [one_chunk(tmp_path, i) for i in range(2)]
+    for s in sides:
+        journal.announce(tmp_path, n_chunks=3, **s)
+    size = (tmp_path / sides[0]["path"]).stat().st_size
+    # A budget holding exactly the two announced chunks: a third waits.
+    ss = gate.StreamSettings(budget_bytes=2 * size + 10, trainer_ranks=1, prefetch_chunks=1,
+                             checkpoint_chunks=1, low_mark=0.9, poll_s=0.05)  # fmt: skip
+    (tmp_path / sides[0]["path"]).unlink()  # lost before its ack
+    st = journal.read_state(tmp_path / "stream")
+    assert gate.unacked_bytes(tmp_path, st, 1) == 2 * size  # its room stays held
+    kw = {"tokens": 1, "raw_bytes_per_token": 1, "largest_tokens": 1, "run_tokens": 3}
+    # Its redo passes at once, though the budget is full (the trainer waits for it) ...
+    got = gate.wait_for_room(tmp_path, ss, chunk="chunk_00000", **kw)
+    assert got["redo"] and not gate.reservations(tmp_path / "stream")
+    # ... while a new chunk (as big: 6 tokens) would not fit: the gate shuts for it.
+    done = threading.Event()
+    t = threading.Thread(
+        target=lambda: (
+            gate.wait_for_room(tmp_path, ss, chunk="chunk_00002", **{**kw, "tokens": 6}),
+            done.set(),
+        ),  # fmt: skip
+        daemon=True,
+    )
+    t.start()
+    deadline = time.monotonic() + 60
+    while not gate.summary(tmp_path)["paused"]:
+        assert time.monotonic() < deadline, "the gate never shut for the new chunk"
+        time.sleep(0.01)
+    assert not done.is_set()
+    journal.AckWriter(tmp_path).ack([0, 1])
+    assert done.wait(60), "the gate did not open after the acks"
+    t.join(60)
 
 
 @pytest.mark.workflow

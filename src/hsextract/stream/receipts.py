@@ -2,18 +2,21 @@
 
 Under ``stream.budget_gb`` the producer deletes a chunk's payload once the trainer acked it
 (:func:`hsextract.stream.gate.delete_acked`, logged in ``deleted.jsonl``); its sidecar
-stays and is the chunk's *receipt*: what the chunk was (sha256, bytes, records).  Such a
-chunk is done, not missing: ``extract_all`` asks for its receipt instead of its payload
-(Snakemake checks only the outputs of a job that something asks for), the plan counts it
-current, the manifest lists it from the receipt.  A payload gone *without* such a line (lost
-before its ack) is still asked for, so it is redone; the journal recognises the redo
-(same chunk, same sha256 with a bit-deterministic engine) and announces nothing twice.
+stays and is the chunk's *receipt*.  So under a budget extract_chunk's output is the
+sidecar alone (the payload a param) and ``extract_all`` asks for receipts: a deleted,
+acknowledged chunk is done, not missing; the plan counts it current, the manifest lists it
+from the receipt, ``verify`` checks it against the receipt and the deletion's record.  A
+payload gone *without* such a line (lost before its ack, or removed by hand) is named in
+the plan's trigger (plan.changed_note), so the next ``extract_all`` redoes it; the journal
+recognises the redo (same chunk, same sha256 with a bit-deterministic engine) and
+announces nothing twice.
 
-A chunk the trainer *nacked* (its bytes were not the announced sha256) is deleted by the
-next plan -- payload and sidecar, only at the path the journal names inside the run dir
--- and redone; its announcement is a new revision of the same seq, which readers open.
+A chunk the trainer *nacked* (its bytes were not the announced sha256) is in that trigger
+too; the plan deletes its payload and sidecar -- only at the path the journal names inside
+the run dir -- and redoes it; its announcement is a new revision of the same seq, which
+readers open.
 
-Stdlib only: ``extract_all``'s inputs and ``hsextract status`` call this while planning.
+Stdlib only: the plan and ``hsextract status`` call this.
 """
 
 from __future__ import annotations
