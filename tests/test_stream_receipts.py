@@ -169,6 +169,10 @@ def test_acked_deleted_chunks_are_done_and_a_payload_lost_before_its_ack_is_redo
         assert (rd / "hidden" / "chunk_00002.safetensors").exists()
         now = {p.name: p.stat().st_mtime_ns for p in (rd / "hidden").glob("*.json")}
         assert [n for n in sorted(now) if now[n] != stamps[n]] == ["chunk_00002.json"]
+
+        # One chunk redone on request under a budget: its receipt named, forced (README).
+        run_snakemake(wd, "-j1", "-f", rel(rd, wd, "chunk_00000.json"))
+        assert (rd / "hidden" / "chunk_00000.safetensors").exists()  # kept by its own job
         lines = chunk_lines(rd)
         assert Counter(ln["chunk"] for ln in lines) == {f"chunk_{i:05d}": 1 for i in range(4)}
         assert "Nothing to be done" in run_snakemake(wd, "-n", "extract_all").stdout

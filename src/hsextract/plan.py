@@ -299,7 +299,7 @@ def _nacked(run_dir: Path) -> list[list[Any]]:
         return []
     from hsextract.stream.receipts import open_nacks
 
-    return [["nack", c, n["seq"], n["rev"]] for c, n in sorted(open_nacks(run_dir).items())]
+    return [["nack", p, n["seq"], n["rev"]] for p, n in sorted(open_nacks(run_dir).items())]
 
 
 def note_changed(run_dir: Path, out: Path) -> list[tuple[str, int, int]]:
@@ -372,7 +372,7 @@ def summary(plan: dict[str, Any]) -> str:
     if len(todo) > 20:
         lines.append(f"  ... and {len(todo) - 20} more (state/plan.json)")
     for c in plan.get("nacked_removed", []):
-        lines.append(f"  removed {c}'s payload and sidecar: the trainer nacked it (sha256)")
+        lines.append(f"  removed {c} and its sidecar: the trainer nacked it (sha256)")
     for o in plan["orphans_removed"]:
         lines.append(f"  removed {o['path']} ({o['bytes']} bytes): beyond n_chunks")
     return "\n".join(lines)

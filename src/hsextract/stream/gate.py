@@ -174,8 +174,8 @@ def delete_acked(
     under the run dir, of the size the journal recorded (anything else is not what we
     wrote, and is left alone).  The sidecar stays (the receipt, stream.receipts); the
     line says which bytes it stands for.  ``keep``: the path the calling job just wrote
-    (an acked chunk redone on request): its payload is a declared output Snakemake checks
-    when the job ends, so the next job's gate frees it."""
+    (an acked chunk redone on request, its receipt forced): the user asked for it, so it
+    stays until the next job's gate."""
     sdir = stream_dir(run_dir)
     gone = []
     for seq, c in sorted(st.chunks.items()):
@@ -200,7 +200,7 @@ def delete_acked(
                 "sha256": c["sha256"],
                 "why": "ack",
                 "at": round(time.time(), 3),
-            },  # fmt: skip
+            },
         )
         gone.append(c["path"])
     return gone

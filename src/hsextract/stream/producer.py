@@ -106,8 +106,8 @@ def after_chunk(
         gate.release(run_dir, _key(chunk, pass_))
     with journal.locked(journal.stream_dir(run_dir)):
         # Acked while this chunk was made: freed now, not at the next chunk's gate, which
-        # the last chunks never reach.  This one itself (redone after its ack) is left to
-        # the next gate: Snakemake checks its outputs when the job ends.
+        # the last chunks never reach.  This one itself (redone after its ack, on request)
+        # is left to the next gate.
         st = journal.read_state(journal.stream_dir(run_dir))
         gate.delete_acked(run_dir, st, ss.final_pass, keep=path)
     if pass_ > 1:

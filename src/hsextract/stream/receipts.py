@@ -80,8 +80,9 @@ def receipt_matches(sidecar: dict[str, Any], deleted: dict[str, Any]) -> bool:
 
 
 def open_nacks(run_dir: str | Path, st: StreamState | None = None) -> dict[str, dict[str, Any]]:
-    """Chunk name -> ``{seq, rev, path, sha256_expected, sha256_seen}`` for each nack the
-    journal has not answered yet.  ``{}`` when the trainer never nacked (one stat)."""
+    """Payload path (the journal's; one per chunk and pass) -> ``{chunk, seq, rev,
+    sha256_expected, sha256_seen}`` for each nack the journal has not answered yet.
+    ``{}`` when the trainer never nacked (one stat)."""
     sdir = stream_dir(run_dir)
     if st is None:
         if not (sdir / ACKS).exists():
@@ -91,10 +92,10 @@ def open_nacks(run_dir: str | Path, st: StreamState | None = None) -> dict[str, 
     for seq, n in st.nacked.items():
         if st.nack_open(seq):
             line = st.chunks[seq]
-            out[line["chunk"]] = {
+            out[line["path"]] = {
+                "chunk": line["chunk"],
                 "seq": seq,
                 "rev": int(line.get("rev", 0)),
-                "path": line["path"],
                 "sha256_expected": n.get("sha256_expected"),
                 "sha256_seen": n.get("sha256_seen"),
             }
@@ -123,7 +124,7 @@ def redo_nacked(run_dir: str | Path) -> list[str]:
     Only the path the journal names, inside the run dir, not a symlink, and only while its
     bytes still differ from the announced sha256 (a payload restored since is the one the
     trainer wants: its next read accepts it).  Logged in ``deleted.jsonl`` (``why: nack``).
-    Returns the chunks deleted.
+    Returns the payload paths deleted.
     """
     run_dir = Path(run_dir)
     sdir = stream_dir(run_dir)
@@ -132,10 +133,11 @@ def redo_nacked(run_dir: str | Path) -> list[str]:
     done = []
     with locked(sdir):
         st = read_state(sdir)
-        for chunk, n in sorted(open_nacks(run_dir, st).items()):
-            p = _ours(run_dir, n["path"])
+        for path, n in sorted(open_nacks(run_dir, st).items()):
+            chunk = n["chunk"]
+            p = _ours(run_dir, path)
             if p is None:
-                log.warning("%s: nacked, but %s is not our file: left alone", chunk, n["path"])
+                log.warning("%s: nacked, but %s is not our file: left alone", chunk, path)
                 continue
             try:
                 if _sha256(p) == n["sha256_expected"]:
@@ -149,10 +151,10 @@ def redo_nacked(run_dir: str | Path) -> list[str]:
                 side.unlink(missing_ok=True)
             append_line(
                 sdir / DELETED,
-                {"seq": n["seq"], "chunk": chunk, "path": n["path"], "why": "nack", "bytes": size,
+                {"seq": n["seq"], "chunk": chunk, "path": path, "why": "nack", "bytes": size,
                  "sha256": n["sha256_expected"], "at": round(time.time(), 3)},
             )  # fmt: skip
-            done.append(chunk)
+            done.append(path)
     return done
 
 
