@@ -158,7 +158,7 @@ def _state(
             st = data.stat()
     except FileNotFoundError:
         return ChunkState(name, False, "not extracted yet")
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
         return ChunkState(name, False, f"unreadable sidecar or chunk file ({exc})")
     if freed is not None:
         from hsextract.stream.receipts import receipt_matches
