@@ -131,6 +131,18 @@ def test_a_payload_lost_before_its_ack_keeps_its_room_and_its_redo_passes_the_ga
     t.join(60)
 
 
+def test_regenerated_counts_the_later_passes_matching_pass_1(tmp_path):
+    from hsextract.stream.receipts import regenerated
+
+    sides = [one_chunk(tmp_path, i) for i in range(2)]
+    for s in sides:
+        journal.announce(tmp_path, n_chunks=2, **s)
+    for i, s in enumerate(sides):  # pass 2: chunk 0 the same bytes, chunk 1 others
+        journal.announce(tmp_path, n_chunks=2, pass_=2, **{**s, "sha256": s["sha256"] if i == 0
+                         else "e" * 64})  # fmt: skip
+    assert regenerated(tmp_path) == {"2": {"chunks": 2, "matched": 1, "differ": ["chunk_00001"]}}
+
+
 @pytest.mark.workflow
 def test_acked_deleted_chunks_are_done_and_a_payload_lost_before_its_ack_is_redone(tmp_path):
     wd, rd = workdir(tmp_path)
