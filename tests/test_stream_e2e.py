@@ -169,7 +169,7 @@ def test_train_while_extracting_within_a_budget_through_kills(tmp_path: Path) ->
         # Under the budget a chunk's output is its receipt (its sidecar): the chunks acked
         # and deleted by then are done, not redone; the one killed mid-extraction is.
         run_snakemake(wd, "--unlock")
-        freed = {d["chunk"] for d in journal.read_lines(sdir / "deleted.jsonl")}
+        freed = {Path(d["path"]).stem for d in journal.read_lines(sdir / "deleted.jsonl")}
         assert freed  # the gate that opened on the first acks freed them
         stamps = {p.name: p.stat().st_mtime_ns for p in (rd / "hidden").glob("chunk_*.json")}
         assert f"{chunk}.json" not in stamps  # killed before its sidecar
