@@ -46,13 +46,15 @@ localrules:
 
 # The chunk files are listed here, not only through the manifest (which reads their
 # sidecars): Snakemake does not regenerate a missing intermediate whose consumers are up
-# to date, and a deleted chunk must be planned again by `snakemake -n extract_all`.
+# to date, and a deleted chunk must be planned again by `snakemake -n extract_all`.  Under
+# a disk budget the stream deletes acknowledged chunk files, so the chunk jobs' outputs,
+# listed here, are their receipts, the sidecars (chunk_targets in common.smk).
 # Each list only once per rule: every listed file costs planning time per chunk.  The
 # settings files are here for the same reason: a changed setting is a missing file, which
 # only a target's inputs make Snakemake regenerate.
 rule extract_all:
     input:
-        hidden=expand(run_path("hidden/chunk_{chunk}.safetensors"), chunk=CHUNK_IDS),
+        hidden=chunk_targets(),
         manifest=run_path("manifest.json"),
         # What the exports and the chunk jobs read besides the chunks: the merge's published
         # files (a failed merge leaves them as they were, rules/data.smk); one removed is a

@@ -137,6 +137,51 @@ def changed_note(run):
     return note(run)
 
 
+def chunk_outputs():
+    """extract_chunk's outputs: the chunk file and its sidecar; under a disk budget
+    (stream.budget_gb) the sidecar alone, the chunk's receipt (hsextract.stream.receipts):
+    the stream deletes an acknowledged chunk file, and the chunk is done, not missing."""
+    out = {"hidden": run_path("hidden/chunk_{chunk}.safetensors")}
+    if CFG.stream.budget_gb is not None:
+        out = {}
+    return {**out, "sidecar": run_path("hidden/chunk_{chunk}.json")}
+
+
+def chunk_targets():
+    """extract_all's chunk files: the chunk files, or under a disk budget the receipts
+    (a payload lost before its ack is found by the plan: plan.changed_note), and with
+    stream.epochs_mode regenerate every later pass's receipts (pass_receipts)."""
+    if CFG.stream.budget_gb is None:
+        return expand(run_path("hidden/chunk_{chunk}.safetensors"), chunk=CHUNK_IDS)
+    return expand(run_path("hidden/chunk_{chunk}.json"), chunk=CHUNK_IDS) + pass_receipts()
+
+
+def receipts_of_pass(p):
+    where = "hidden" if p == 1 else f"hidden/pass{p}"
+    return expand(run_path(f"{where}/chunk_{{chunk}}.json"), chunk=CHUNK_IDS)
+
+
+def pass_receipts():
+    """The receipts of passes 2..stream.passes under epochs_mode regenerate (each pass
+    re-extracts every chunk: rule extract_chunk_pass); none otherwise."""
+    s = CFG.stream
+    if s.budget_gb is None or s.epochs_mode != "regenerate":
+        return []
+    return [f for p in range(2, s.passes + 1) for f in receipts_of_pass(p)]
+
+
+def chunk_pass_inputs(wildcards):
+    """extract_chunk_pass's inputs: a chunk job's, and every receipt of the pass before
+    (ancient: they order the passes, they never make a chunk out of date)."""
+    p = int(wildcards.p)
+    if p < 2 or CFG.stream.budget_gb is None or CFG.stream.epochs_mode != "regenerate":
+        raise ValueError(
+            f"hidden/pass{p}/ is pass {p} of stream.epochs_mode regenerate, which this config "
+            "does not run (set stream.budget_gb, epochs_mode: regenerate, passes >= 2)"
+        )
+    return {**chunk_inputs(wildcards), "before": [ancient(f) for f in receipts_of_pass(p - 1)]}
+
+
 def chunk_inputs(wildcards):
     """A chunk job's inputs once plan_chunks has run (Snakemake re-evaluates it then).
 

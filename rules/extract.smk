@@ -47,6 +47,10 @@ rule note_changed_chunks:
         "../scripts/note_changed_chunks.py"
 
 
+# Outputs (chunk_outputs in common.smk): the chunk file and its sidecar; under a disk
+# budget (stream.budget_gb) the sidecar alone -- the receipt -- and the chunk file a param:
+# the stream deletes it once the trainer acked it, which must not make the chunk missing,
+# nor a job whose file was freed between its end and Snakemake's check of its outputs fail.
 # Upstream inputs through ancient(): a relaunched server or a re-stamped state file never
 # makes a finished chunk look out of date; the plan alone decides.  The chunk's records
 # file is a param, reached through the index (see chunk_index in data.smk): as an input,
@@ -57,19 +61,48 @@ rule extract_chunk:
     input:
         unpack(chunk_inputs),
     output:
-        hidden=run_path("hidden/chunk_{chunk}.safetensors"),
-        sidecar=run_path("hidden/chunk_{chunk}.json"),
+        **chunk_outputs(),
     log:
         run_path("logs/extract_chunk_{chunk}.log"),
     benchmark:
         run_path("benchmarks/extract_chunk_{chunk}.tsv")
     params:
         chunk=run_path("chunks/chunk_{chunk}.jsonl"),
+        hidden=run_path("hidden/chunk_{chunk}.safetensors"),
     # sglang.dp_size x tp_size (0 for the reference engine): under SLURM, --gpus per group.
     resources:
         gpu=SERVER_GPUS,
     wildcard_constraints:
         chunk=r"\d{5}",
+    conda:
+        "../envs/hsextract.yaml"
+    script:
+        "../scripts/extract_chunk.py"
+
+
+# stream.epochs_mode regenerate (passes > 1, under a disk budget): pass p re-extracts every
+# chunk into hidden/pass<p>/ -- its receipt the output, as above -- announced for pass p; the
+# report counts the chunks whose sha256 matches pass 1's.  After every receipt of pass p-1
+# (ancient: order only): a trainer reads the passes in turn, and a pass-p chunk admitted
+# to the budget ahead of pass p-1's last would hold room the trainer needs first.
+rule extract_chunk_pass:
+    input:
+        unpack(chunk_pass_inputs),
+    output:
+        sidecar=run_path("hidden/pass{p}/chunk_{chunk}.json"),
+    log:
+        run_path("logs/extract_chunk_pass{p}_{chunk}.log"),
+    benchmark:
+        run_path("benchmarks/extract_chunk_pass{p}_{chunk}.tsv")
+    params:
+        chunk=run_path("chunks/chunk_{chunk}.jsonl"),
+        hidden=run_path("hidden/pass{p}/chunk_{chunk}.safetensors"),
+        stream_pass=lambda wildcards: int(wildcards.p),
+    resources:
+        gpu=SERVER_GPUS,
+    wildcard_constraints:
+        chunk=r"\d{5}",
+        p=r"[1-9]\d*",
     conda:
         "../envs/hsextract.yaml"
     script:

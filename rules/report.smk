@@ -7,6 +7,8 @@ rule report_figures:
         gate=run_path("state/gpu_gate.json"),
         patch=run_path("state/patch.json"),
         server=run_path("state/server.json"),
+        # epochs_mode regenerate: the report counts re-extracted chunks matching pass 1's.
+        passes=pass_receipts(),
     output:
         lengths=report(run_path("report/lengths.png"), caption="../report/lengths.rst", category="1. Data"),
         rejects=report(run_path("report/rejects.png"), caption="../report/rejects.rst", category="1. Data"),

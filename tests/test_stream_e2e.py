@@ -165,16 +165,18 @@ def test_train_while_extracting_within_a_budget_through_kills(tmp_path: Path) ->
         assert not (out / "done.json").exists()
         trainer = start_trainer(rd, out, resume=True)
 
-        # 5. The workflow rerun, as a user would after a kill -9: unlock, then ask for
-        # what the trainer still waits for.  (Not extract_all yet: it would re-extract
-        # the acked, deleted chunks -- not re-announced, but wasted: the receipt targets
-        # are left, DESIGN.md.)
+        # 5. The workflow rerun, as a user would after a kill -9: unlock, then extract_all.
+        # Under the budget a chunk's output is its receipt (its sidecar): the chunks acked
+        # and deleted by then are done, not redone; the one killed mid-extraction is.
         run_snakemake(wd, "--unlock")
-        st = journal.read_state(sdir)
-        todo = [t for i, t in enumerate(sidecars(rd, wd)) if st.find(f"chunk_{i:05d}", 1) is None]
-        assert f"results/{rd.name}/hidden/{chunk}.json" in todo
-        rerun = start_snakemake(wd, "-j2", *todo)
+        freed = {Path(d["path"]).stem for d in journal.read_lines(sdir / "deleted.jsonl")}
+        assert freed  # the gate that opened on the first acks freed them
+        stamps = {p.name: p.stat().st_mtime_ns for p in (rd / "hidden").glob("chunk_*.json")}
+        assert f"{chunk}.json" not in stamps  # killed before its sidecar
+        rerun = start_snakemake(wd, "-j2", "extract_all")
         assert rerun.wait(timeout=600) == 0, rerun.communicate()[0][-4000:]
+        for c in freed:
+            assert (rd / "hidden" / f"{c}.json").stat().st_mtime_ns == stamps[f"{c}.json"], c
         assert trainer.wait(timeout=600) == 0, (tmp_path / "trainer-resumed.log").read_text()
         sampling.set()
         sampler.join()

@@ -172,9 +172,17 @@ def _inspect(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from hsextract.manifest import verify_manifest
 
-    problems = verify_manifest(manifest_path(Path(args.manifest)))
+    path = manifest_path(Path(args.manifest))
+    problems = verify_manifest(path)
     for p in problems:
         print(p)
+    chunks = json.loads(path.read_text()).get("chunks") or []
+    freed = sum(1 for c in chunks if isinstance(c, dict) and c.get("deleted_after_ack"))
+    if freed and not problems:
+        print(
+            f"{freed} chunk(s) deleted after the trainer's ack (stream.budget_gb): checked "
+            "against their receipts (sidecar, deletion record, index), not re-hashed"
+        )
     print("ok: every chunk matches the manifest" if not problems else f"{len(problems)} problem(s)")
     return 1 if problems else 0
 

@@ -36,7 +36,12 @@ class ManifestError(HsextractError):
 
 
 def _redo(path: Path) -> str:
-    redo = snakemake_command(Path(path), run_dir=Path(path).parent.parent)
+    run = Path(path).parent.parent
+    if (run / "stream").is_dir():
+        # Under a disk budget the rule's output is the sidecar (the receipt): the target.
+        redo = snakemake_command(Path(path).with_suffix(".json"), run_dir=run)
+        return f"delete it and its sidecar and rerun `{redo}` (or extract_all)"
+    redo = snakemake_command(Path(path), run_dir=run)
     return f"delete it and rerun `{redo}` (or extract_all)"
 
 
@@ -61,7 +66,8 @@ def build_manifest(
         )
     fp = fingerprint(cfg)
     codec = storage_codec(cfg)
-    chunks = [_chunk_entry(Path(sc), entries, index, fp, codec, root) for sc in sidecars]
+    freed = _freed(root)
+    chunks = [_chunk_entry(Path(sc), entries, index, fp, codec, root, freed) for sc in sidecars]
     first = json.loads(Path(sidecars[0]).read_text()) if sidecars else {}
     manifest = {
         "format_version": "1",
@@ -91,14 +97,35 @@ def build_manifest(
     return manifest
 
 
+def _freed(root: Path) -> dict[str, dict]:
+    """Chunks whose payload the stream deleted after the trainer's ack (their sidecar is
+    the receipt, hsextract.stream.receipts); none for an offline run (nothing imported)."""
+    if not (root / "stream").is_dir():
+        return {}
+    from hsextract.stream.receipts import deleted_after_ack
+
+    return deleted_after_ack(root)
+
+
 def _chunk_entry(
-    sc: Path, entries: dict[str, dict], index: Path, fp: str, codec: str, root: Path
+    sc: Path,
+    entries: dict[str, dict],
+    index: Path,
+    fp: str,
+    codec: str,
+    root: Path,
+    freed: dict[str, dict] | None = None,
 ) -> dict:
     """A chunk's manifest entry, from its sidecar and file header, once both agree with
-    each other, the index and the config (:class:`ManifestError` naming what does not)."""
+    each other, the index and the config (:class:`ManifestError` naming what does not).
+    A payload the stream deleted after its ack: from its sidecar (the receipt) alone,
+    once that is the deleted payload's (same sha256 and bytes)."""
     meta = json.loads(Path(sc).read_text())
     path = Path(sc).with_name(meta["path"])
     name = meta["chunk"]
+    gone = (freed or {}).get(name)
+    if gone is not None and not path.exists():
+        return _receipt_entry(meta, gone, entries.get(name), index, fp, codec, root, path)
     if not path.exists():
         raise ManifestError(f"{path} is missing though its sidecar {sc} exists: {_redo(path)}")
     size = path.stat().st_size
@@ -141,6 +168,56 @@ def _chunk_entry(
         "bytes": size,
         "codec": info["codec"],
         "states_raw_bytes": info["raw_bytes"],
+    }
+
+
+def _receipt_entry(
+    meta: dict,
+    gone: dict,
+    entry: dict | None,
+    index: Path,
+    fp: str,
+    codec: str,
+    root: Path,
+    path: Path,
+) -> dict:
+    """The entry of a chunk deleted after the trainer's ack: its sidecar's figures, checked
+    against the deletion's record, the index and the config as a file's would be."""
+    from hsextract.stream.receipts import receipt_matches
+
+    name = meta["chunk"]
+    problem = None
+    if not receipt_matches(meta, gone):
+        problem = (
+            f"its payload was deleted after the trainer's ack (sha256 "
+            f"{str(gone.get('sha256'))[:12]}...), its sidecar is of other bytes "
+            f"({str(meta.get('sha256'))[:12]}...)"
+        )
+    elif entry is None:
+        problem = f"{index} lists no chunk {name}"
+    elif meta.get("fingerprint") != fp:
+        problem = f"it was extracted for fingerprint {meta.get('fingerprint')}, not {fp}"
+    elif meta.get("content_digest") != entry["content_digest"]:
+        problem = f"its sidecar's records are not the ones {index} assigns it: stale"
+    elif meta["records"] != entry["records"]:
+        problem = f"{meta['records']} records, the index says {entry['records']}"
+    elif meta.get("codec", codec) != codec:
+        problem = f"it was stored with codec {meta.get('codec')}, storage.codec is {codec}"
+    if problem:
+        raise ManifestError(f"chunk {name}: {problem}; {_redo(path)}")
+    assert entry is not None
+    return {
+        "chunk": name,
+        "path": str(path.relative_to(root)),
+        "sha256": meta["sha256"],
+        "content_digest": entry["content_digest"],
+        "records": meta["records"],
+        "tokens": meta["tokens"],
+        "bytes": meta["bytes"],
+        "codec": meta.get("codec", codec),
+        "states_raw_bytes": meta.get("states_raw_bytes", meta["bytes"]),
+        # Not on disk: the trainer acknowledged it and the stream freed it (deleted.jsonl).
+        "deleted_after_ack": True,
     }
 
 
@@ -286,9 +363,13 @@ def verify_manifest(path: Path) -> list[str]:
         problems.append(f"chunk {name}: in {index_path} but not in the manifest")
     fields = _Fields(path)
     truths: list[dict] = []
+    freed = _freed(root)
     for c in chunks:
         name = str(c.get("chunk"))
         f = root / str(c.get("path"))
+        if not f.is_file() and name in freed:
+            problems += _receipt_problems(f, c, freed[name], entries.get(name), index_path)
+            continue
         if not f.is_file():
             problems.append(f"chunk {name}: {f} missing")
             continue
@@ -325,6 +406,38 @@ def verify_manifest(path: Path) -> list[str]:
         problems += _decode_problems(f, name)
     fields.run(data, root, idx, truths, chunks)
     return problems + fields.problems
+
+
+def _receipt_problems(
+    f: Path, c: dict, gone: dict, entry: dict | None, index_path: Path
+) -> list[str]:
+    """A chunk the stream deleted after the trainer's ack is done, not missing: its bytes
+    cannot be re-hashed, so its manifest entry, its sidecar (the receipt), the deletion's
+    record and the index must agree."""
+    name = str(c.get("chunk"))
+    sidecar_path = f.with_suffix(".json")
+    try:
+        side = json.loads(sidecar_path.read_text())
+    except (OSError, ValueError) as exc:
+        return [f"chunk {name}: deleted after the trainer's ack, and its receipt "
+                f"{sidecar_path} is unreadable ({exc})"]  # fmt: skip
+    out = []
+    for field, want, source in (
+        ("sha256", gone.get("sha256"), "the stream's deletion record"),
+        ("bytes", gone.get("bytes"), "the stream's deletion record"),
+        ("sha256", side.get("sha256"), str(sidecar_path)),
+        ("records", side.get("records"), str(sidecar_path)),
+        ("tokens", side.get("tokens"), str(sidecar_path)),
+        ("content_digest", side.get("content_digest"), str(sidecar_path)),
+        ("records", (entry or {}).get("records"), str(index_path)),
+        ("content_digest", (entry or {}).get("content_digest"), str(index_path)),
+    ):
+        if c.get(field) != want:
+            out.append(
+                f"chunk {name} (deleted after the trainer's ack): {field} is {c.get(field)!r} "
+                f"in the manifest but {want!r} in {source}"
+            )
+    return out
 
 
 def _chunk_truth(f: Path, fields: _Fields, name: str) -> dict | None:

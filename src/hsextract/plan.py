@@ -118,11 +118,22 @@ def chunk_states(
     """
     index = read_index(index_path)
     hidden = Path(run_dir) / "hidden"
+    freed = _freed(Path(run_dir))
     out = []
     for entry in index["chunks"]:
         name = Path(entry["path"]).stem
-        out.append(_state(hidden, name, entry, fingerprint, rehash, restamp))
+        out.append(_state(hidden, name, entry, fingerprint, rehash, restamp, freed.get(name)))
     return out
+
+
+def _freed(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """Payloads the stream deleted after the trainer's ack (stream.receipts): done, not
+    missing.  No stream dir (an offline run): none, and the stream is not imported."""
+    if not (run_dir / "stream").is_dir():
+        return {}
+    from hsextract.stream.receipts import deleted_after_ack
+
+    return deleted_after_ack(run_dir)
 
 
 def _state(
@@ -132,17 +143,31 @@ def _state(
     fingerprint: str,
     rehash: bool = True,
     restamp: bool = False,
+    freed: dict[str, Any] | None = None,
 ) -> ChunkState:
     data, sidecar = hidden / f"{name}.safetensors", hidden / f"{name}.json"
     try:
         meta = json.loads(sidecar.read_text())
-        st = data.stat()
-        size = st.st_size
         sidecar_mtime = sidecar.stat().st_mtime_ns
     except FileNotFoundError:
         return ChunkState(name, False, "not extracted yet")
     except (OSError, ValueError) as exc:
         return ChunkState(name, False, f"unreadable sidecar or chunk file ({exc})")
+    try:
+        if freed is None:
+            st = data.stat()
+    except FileNotFoundError:
+        return ChunkState(name, False, "not extracted yet")
+    except OSError as exc:
+        return ChunkState(name, False, f"unreadable sidecar or chunk file ({exc})")
+    if freed is not None:
+        from hsextract.stream.receipts import receipt_matches
+
+        if not receipt_matches(meta, freed):
+            return ChunkState(
+                name, False, "its payload was deleted after the trainer's ack, and its sidecar "
+                "is of other bytes (redone since?)"
+            )  # fmt: skip
     if meta.get("fingerprint") != fingerprint:
         return ChunkState(name, False, f"extracted for fingerprint {meta.get('fingerprint')}")
     if meta.get("content_digest") != entry["content_digest"]:
@@ -153,6 +178,9 @@ def _state(
             f"records changed ({got} -> {entry['records']} records, content digest "
             f"{str(meta.get('content_digest'))[:12]} -> {entry['content_digest'][:12]})",
         )
+    if freed is not None:
+        return ChunkState(name, True, "current (acknowledged by the trainer, payload deleted)")
+    size = st.st_size
     if size != meta.get("bytes"):
         return ChunkState(
             name, False, f"file is {size} bytes, its sidecar says {meta.get('bytes')}"
@@ -231,9 +259,47 @@ def changed_note(run_dir: Path) -> str:
     ones whose bytes changed.  No changed file: the same name as every time before.  A note
     is a few bytes, one per such event; none is removed, so no old name comes back missing.
     """
-    found = changed_chunks(Path(run_dir))
+    found: list[Any] = list(changed_chunks(Path(run_dir)))
+    found += _lost(Path(run_dir)) + _nacked(Path(run_dir))
     digest = hashlib.sha256(json.dumps(found).encode()).hexdigest()[:16]
     return str(Path(run_dir) / "state" / "changed" / f"{digest}.json")
+
+
+def _lost(run_dir: Path) -> list[list[Any]]:
+    """Under a stream (stream.budget_gb), chunks whose sidecar -- the rule's output, the
+    receipt -- is there and whose chunk file is not, though the stream did not free it
+    after an ack: lost before its ack (or removed by hand).  In the changed note's name,
+    so the next extract_all plans again and redoes them.  Offline: none (a missing chunk
+    file is a missing output there)."""
+    if not (run_dir / "stream").is_dir():
+        return []
+    try:
+        names = set(os.listdir(run_dir / "hidden"))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    gone = sorted(
+        n.removesuffix(".json")
+        for n in names
+        if _CHUNK_RE.fullmatch(n) and n.endswith(".json")
+        and n.replace(".json", ".safetensors") not in names
+    )  # fmt: skip
+    if not gone:
+        return []
+    from hsextract.stream.receipts import deleted_after_ack
+
+    freed = deleted_after_ack(run_dir)
+    return [["lost", c] for c in gone if c not in freed]
+
+
+def _nacked(run_dir: Path) -> list[list[Any]]:
+    """Chunks the trainer nacked and no redo answered yet (stream.receipts.open_nacks):
+    in the changed note's name too, so the next extract_all plans again and redoes them.
+    No ack file (an offline run, or no nack): a stat, nothing imported."""
+    if not (run_dir / "stream" / "acks.jsonl").exists():
+        return []
+    from hsextract.stream.receipts import open_nacks
+
+    return [["nack", p, n["seq"], n["rev"]] for p, n in sorted(open_nacks(run_dir).items())]
 
 
 def note_changed(run_dir: Path, out: Path) -> list[tuple[str, int, int]]:
@@ -267,6 +333,7 @@ def make_plan(run_dir: Path, index_path: Path, fingerprint: str, out: Path) -> d
     """Write ``state/plan.json``: the chunks to extract and why, the ones kept."""
     from hsextract.server import write_json
 
+    nacked = _redo_nacked(Path(run_dir))
     states = chunk_states(run_dir, index_path, fingerprint, restamp=True)
     n = len(states)
     orphans = remove_orphans(run_dir, n)
@@ -282,9 +349,20 @@ def make_plan(run_dir: Path, index_path: Path, fingerprint: str, out: Path) -> d
         "reasons": {s.chunk: s.reason for s in todo},
         "current": n - len(todo),
         "orphans_removed": orphans,
+        "nacked_removed": nacked,
     }
     write_json(Path(out), plan)
     return plan
+
+
+def _redo_nacked(run_dir: Path) -> list[str]:
+    """Chunks the trainer nacked: their payload and sidecar deleted (only the journal's
+    path in the run dir), so this plan lists them and their redo is a new revision."""
+    if not (run_dir / "stream" / "acks.jsonl").exists():
+        return []
+    from hsextract.stream.receipts import redo_nacked
+
+    return redo_nacked(run_dir)
 
 
 def summary(plan: dict[str, Any]) -> str:
@@ -293,6 +371,8 @@ def summary(plan: dict[str, Any]) -> str:
     lines = [head] + [f"  {c}: {plan['reasons'][c]}" for c in todo[:20]]
     if len(todo) > 20:
         lines.append(f"  ... and {len(todo) - 20} more (state/plan.json)")
+    for c in plan.get("nacked_removed", []):
+        lines.append(f"  removed {c} and its sidecar: the trainer nacked it (sha256)")
     for o in plan["orphans_removed"]:
         lines.append(f"  removed {o['path']} ({o['bytes']} bytes): beyond n_chunks")
     return "\n".join(lines)

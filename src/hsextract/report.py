@@ -252,9 +252,11 @@ def run_table(
     out: Path,
     sidecars: list[dict] | None = None,
     stream: str | None = None,
+    passes: dict | None = None,
 ) -> None:
     """Versions, the server command, the GPU gate's readings (and a streamed run's disk
-    in use, ``stream``: :func:`stream_section`): one HTML page.
+    in use, ``stream``: :func:`stream_section`): one HTML page.  ``passes``:
+    stream.receipts.regenerated (epochs_mode regenerate), when the run has one.
 
     The server's version is the one the chunks' sidecars name (the server that produced
     them; launch_server records none, it does not wait for the server to answer).
@@ -297,6 +299,14 @@ def run_table(
         "<h3>Run</h3><table>"
         + "".join(row(k, v) for k, v in versions.items())
         + row("totals", totals)
+        + "".join(
+            row(
+                f"pass {p} re-extracted",
+                f"{v['chunks']} chunks, {v['matched']} with pass 1's "
+                f"sha256" + (f"; differ: {', '.join(v['differ'])}" if v["differ"] else ""),
+            )
+            for p, v in (passes or {}).items()
+        )  # fmt: skip
         + "</table><h3>Server command</h3><pre>"
         + html.escape(" ".join(redact_argv(list(argv))))
         + "</pre><h3>GPU gate</h3><table>"
@@ -339,4 +349,14 @@ def make_all(
         out["run"],
         sidecars,
         stream_section(root, Path(out["run"]).with_name("disk_in_use.png")),
+        _passes(root),
     )
+
+
+def _passes(root: Path) -> dict | None:
+    """A stream's later passes (epochs_mode regenerate); None offline (nothing imported)."""
+    if not (root / "stream").is_dir():
+        return None
+    from hsextract.stream.receipts import regenerated
+
+    return regenerated(root)

@@ -541,7 +541,7 @@ def extract_chunk(sm: Any) -> None:
         chunk_path=Path(sm.params.chunk),
         index_path=Path(sm.input.index),
         merged_path=Path(sm.input.merged),
-        out_path=Path(sm.output.hidden),
+        out_path=Path(sm.params.hidden),
         sidecar_path=Path(sm.output.sidecar),
         ensure=lambda: ensure_server(cfg),
     )
@@ -553,6 +553,8 @@ def extract_chunk(sm: Any) -> None:
         f"hsextract [{sidecar['chunk']}]: {sidecar['records']} records, {sidecar['tokens']} "
         f"tokens in {sidecar['seconds']:.1f}s ({sidecar['tokens_per_s']:.0f} tok/s)\n"
     )
+    if _pass_of(sm) > 1:  # a later pass (epochs_mode regenerate): not the manifest's chunk
+        return
     _follow_in_manifest(cfg, Path(sm.output.sidecar), Path(sm.input.index), sidecar["chunk"])
 
 
@@ -585,7 +587,14 @@ def _stream_gate(cfg: Config, sm: Any):
         return None
     from hsextract.stream.producer import ChunkStream
 
-    return ChunkStream.open(cfg, hidden=Path(sm.output.hidden), index=Path(sm.input.index))
+    return ChunkStream.open(
+        cfg, hidden=Path(sm.params.hidden), index=Path(sm.input.index), pass_=_pass_of(sm)
+    )
+
+
+def _pass_of(sm: Any) -> int:
+    """The stream pass a chunk job extracts: 1, or p for rule extract_chunk_pass."""
+    return int(getattr(sm.params, "stream_pass", 1))
 
 
 def manifest(sm: Any) -> None:

@@ -154,17 +154,25 @@ def reservations(sdir: Path, *, exclude: str | None = None) -> dict[str, int]:
 
 
 def unacked_bytes(run_dir: Path, st: StreamState, final_pass: int) -> int:
-    return sum(_on_disk(run_dir, c) for c in st.unacked(final_pass))
+    """What announced, unacked chunks hold on disk; one whose payload is gone (lost
+    before its ack, or nacked and deleted) counts its announced bytes: it will be redone
+    past the gate (see wait_for_room), so its room stays held."""
+    return sum(_on_disk(run_dir, c) or int(c["bytes"]) for c in st.unacked(final_pass))
 
 
-def delete_acked(run_dir: Path, st: StreamState, final_pass: int) -> list[str]:
+def delete_acked(
+    run_dir: Path, st: StreamState, final_pass: int, *, keep: str | None = None
+) -> list[str]:
     """Remove the payload of every chunk acked for good; only a file the journal names,
     under the run dir, of the size the journal recorded (anything else is not what we
-    wrote, and is left alone).  The sidecar stays (the receipt)."""
+    wrote, and is left alone).  The sidecar stays (the receipt, stream.receipts); the
+    line says which bytes it stands for.  ``keep``: the path the calling job just wrote
+    (an acked chunk redone on request, its receipt forced): the user asked for it, so it
+    stays until the next job's gate."""
     sdir = stream_dir(run_dir)
     gone = []
     for seq, c in sorted(st.chunks.items()):
-        if not st.is_acked(seq, final_pass):
+        if not st.is_acked(seq, final_pass) or c["path"] == keep:
             continue
         p = (run_dir / c["path"]).resolve()
         if run_dir.resolve() not in p.parents or p.is_symlink():
@@ -177,7 +185,15 @@ def delete_acked(run_dir: Path, st: StreamState, final_pass: int) -> list[str]:
         p.unlink()
         append_line(
             sdir / DELETED,
-            {"seq": seq, "path": c["path"], "bytes": c["bytes"], "at": round(time.time(), 3)},
+            {
+                "seq": seq,
+                "chunk": c["chunk"],
+                "path": c["path"],
+                "bytes": c["bytes"],
+                "sha256": c["sha256"],
+                "why": "ack",
+                "at": round(time.time(), 3),
+            },
         )
         gone.append(c["path"])
     return gone
@@ -215,17 +231,20 @@ def record_usage(
     return figures
 
 
-def after_announce(run_dir: Path, ss: StreamSettings, chunk: str) -> list[str]:
+def after_announce(
+    run_dir: Path, ss: StreamSettings, chunk: str, *, keep: str | None = None
+) -> list[str]:
     """A chunk job's last look, after announcing ``chunk``: a usage sample with it on
-    disk, then free what was acked while the chunk was made (or this chunk itself, redone
-    after its ack) -- now, not at the next chunk's gate, which the last chunks never
-    reach -- and a sample after that.  The payloads deleted."""
+    disk, then free what was acked while the chunk was made -- now, not at the next
+    chunk's gate, which the last chunks never reach -- and a sample after that.  ``keep``
+    (this chunk's own payload, redone after its ack on request) is left to the next gate:
+    Snakemake has yet to see it.  The payloads deleted."""
     run_dir = Path(run_dir)
     sdir = stream_dir(run_dir)
     with locked(sdir):
         st = read_state(sdir)
         last = record_usage(run_dir, st, ss, "announce", chunk)
-        gone = delete_acked(run_dir, st, ss.final_pass)
+        gone = delete_acked(run_dir, st, ss.final_pass, keep=keep)
         if gone:
             record_usage(run_dir, read_state(sdir), ss, "delete", chunk, last)
     return gone
@@ -263,12 +282,14 @@ def wait_for_room(
     largest_tokens: int,
     run_tokens: int,
     on_wait: Callable[[dict[str, Any]], None] | None = None,
+    redo_of: tuple[str, int] | None = None,
 ) -> dict[str, Any]:
     """Block until this chunk fits the budget, then reserve its estimate; the figures.
 
     The gate opens while ``unacked + estimate <= budget``; once it refused it stays shut
     for every chunk job until unacked bytes fall to ``low_mark x budget``.  A waiting job
     watches the ack file (its size and mtime) with a poll of at most ``poll_s``.
+    ``redo_of``: (chunk, pass) when ``chunk`` is the gate's key for another pass's job.
     """
     run_dir = Path(run_dir)
     sdir = stream_dir(run_dir)
@@ -285,6 +306,14 @@ def wait_for_room(
                 check_window(ss, largest_tokens * bpt, run_tokens * bpt)
                 first = False
             delete_acked(run_dir, st, ss.final_pass)
+            name, pass_ = redo_of or (chunk, 1)
+            if any(c["chunk"] == name and c["pass"] == pass_ for c in st.unacked(ss.final_pass)):
+                # A redo of a chunk announced and not acked (its payload lost, or nacked):
+                # its room is held (unacked_bytes), and the trainer waits for it, so
+                # waiting here for acks would deadlock both.  No reservation: its bytes
+                # count already.
+                return {"waited_s": 0.0, "unacked_bytes": unacked_bytes(run_dir, st, ss.final_pass),
+                        "reserved_bytes": 0, "estimate_bytes": 0, "redo": True}  # fmt: skip
             est = estimate_bytes(st, tokens, raw_bytes_per_token)
             unacked = unacked_bytes(run_dir, st, ss.final_pass)
             others = sum(reservations(sdir, exclude=chunk).values())
@@ -360,7 +389,7 @@ def summary(run_dir: Path, final_pass: int = 1, *, budget_bytes: int | None = No
     st = read_state(sdir)
     unacked = st.unacked(final_pass)
     oldest = min(unacked, key=lambda c: c["at"], default=None)
-    deleted = list(st.deleted.values())
+    deleted = [d for d in st.deleted.values() if d.get("why", "ack") == "ack"]
     return {
         "announced": len(st.chunks),
         "acked": sum(1 for s in st.chunks if st.is_acked(s, final_pass)),

@@ -209,6 +209,15 @@ class StreamState:
         """Acked for good: covered by a checkpoint of the last pass that reads it."""
         return seq in self.acked and self.acked[seq][0] >= final_pass
 
+    def nack_open(self, seq: int) -> bool:
+        """The trainer nacked this seq's latest revision: no newer one answers it yet."""
+        nack, line = self.nacked.get(seq), self.chunks.get(seq)
+        if nack is None or line is None:
+            return False
+        if "rev" in nack:
+            return int(line.get("rev", 0)) <= int(nack["rev"])
+        return float(line.get("at", 0)) <= float(nack.get("at", 0))  # a nack without its rev
+
     def unacked(self, final_pass: int = 1) -> list[dict[str, Any]]:
         return [c for s, c in sorted(self.chunks.items()) if not self.is_acked(s, final_pass)]
 
@@ -306,12 +315,18 @@ def announce(
     with locked(sdir):
         st = read_state(sdir)
         old = st.find(chunk, pass_)
-        if old is not None and (old["sha256"] == sha256 or st.is_acked(old["seq"], final_pass)):
+        redo = old is not None and st.nack_open(int(old["seq"]))
+        if (
+            old is not None
+            and not redo
+            and (old["sha256"] == sha256 or st.is_acked(old["seq"], final_pass))
+        ):
             _maybe_end_pass(sdir, st, pass_, n_chunks)
             return int(old["seq"]), False
         # A chunk redone with other bytes (Snakemake removed the announced file of a
-        # killed job, and the engine is not bit-deterministic): a new revision of the same
-        # seq, the same records.  Readers open the latest revision.
+        # killed job, and the engine is not bit-deterministic), or redone because the
+        # trainer nacked it (same bytes or not: the new line answers the nack): a new
+        # revision of the same seq, the same records.  Readers open the latest revision.
         seq = st.next_seq if old is None else int(old["seq"])
         line = {
             "type": "chunk",
@@ -376,10 +391,12 @@ class AckWriter:
         with locked(self.sdir):
             append_line(self.sdir / ACKS, line)
 
-    def nack(self, seq: int, expected: str, seen: str) -> None:
+    def nack(self, seq: int, expected: str, seen: str, rev: int = 0) -> None:
+        """``rev``: the revision read; a newer one (the producer's redo) answers the nack."""
         line = {
             "type": "nack",
             "seq": int(seq),
+            "rev": int(rev),
             "sha256_expected": expected,
             "sha256_seen": seen,
             "at": round(time.time(), 3),

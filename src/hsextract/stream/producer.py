@@ -23,8 +23,19 @@ def _chunk_entries(index: Path) -> list[dict[str, Any]]:
     return list(read_index(index)["chunks"])
 
 
+def _key(chunk: str, pass_: int) -> str:
+    """A chunk job's name in the gate (its reservation): a later pass's is its own."""
+    return chunk if pass_ == 1 else f"{chunk}.pass{pass_}"
+
+
 def before_send(
-    ss: gate.StreamSettings, *, run_dir: Path, chunk: str, index: Path, raw_bytes_per_token: int
+    ss: gate.StreamSettings,
+    *,
+    run_dir: Path,
+    chunk: str,
+    index: Path,
+    raw_bytes_per_token: int,
+    pass_: int = 1,
 ) -> dict[str, Any]:
     """Wait for room in the budget (logging why), then hold this chunk's reservation."""
     entries = _chunk_entries(index)
@@ -38,7 +49,8 @@ def before_send(
     figures = gate.wait_for_room(
         run_dir,
         ss,
-        chunk=chunk,
+        chunk=_key(chunk, pass_),
+        redo_of=(chunk, pass_),
         tokens=tokens[chunk],
         raw_bytes_per_token=raw_bytes_per_token,
         largest_tokens=max(tokens.values()),
@@ -66,27 +78,48 @@ def after_chunk(
     hidden: Path,
     index: Path,
     shapes: dict[str, Any],
+    pass_: int = 1,
+    deterministic: bool = False,
 ) -> int:
-    """Announce the verified, renamed chunk (once), drop the reservation; its seq."""
+    """Announce the verified, renamed chunk (once), drop the reservation; its seq.
+
+    A later pass's chunk (epochs_mode regenerate) is compared with pass 1's sha256: with a
+    bit-deterministic engine a difference is logged as a warning (the report counts both).
+    """
     chunk = sidecar["chunk"]
+    path = str(Path(hidden).resolve().relative_to(Path(run_dir).resolve()))
     try:
         seq, new = journal.announce(
             run_dir,
             chunk=chunk,
-            path=str(Path(hidden).resolve().relative_to(Path(run_dir).resolve())),
+            path=path,
             sha256=sidecar["sha256"],
             records=int(sidecar["records"]),
             tokens=int(sidecar["tokens"]),
             content_digest=str(sidecar.get("content_digest", "")),
             n_chunks=len(_chunk_entries(index)),
             shapes=shapes,
+            pass_=pass_,
             final_pass=ss.final_pass,
         )
     finally:
-        gate.release(run_dir, chunk)
-    gate.after_announce(run_dir, ss, chunk)  # a usage sample; what was acked meanwhile freed
+        gate.release(run_dir, _key(chunk, pass_))
+    # A usage sample; what was acked meanwhile freed (not this chunk's own payload).
+    gate.after_announce(run_dir, ss, chunk, keep=path)
+    if pass_ > 1:
+        first = journal.read_state(journal.stream_dir(run_dir)).find(chunk, 1)
+        same = first is not None and first["sha256"] == sidecar["sha256"]
+        if same:
+            log.info("%s: pass %d matches pass 1's sha256", chunk, pass_)
+        elif deterministic:
+            log.warning(
+                "%s: pass %d's sha256 %s... differs from pass 1's %s... though the engine is "
+                "bit-deterministic: the server or its settings changed between passes?",
+                chunk, pass_, sidecar["sha256"][:12],
+                None if first is None else first["sha256"][:12],
+            )  # fmt: skip
     if new:
-        log.info("%s: announced to the trainer as seq %d", chunk, seq)
+        log.info("%s: announced to the trainer as seq %d (pass %d)", chunk, seq, pass_)
     else:
         log.info("%s: already announced as seq %d (a rerun): not announced again", chunk, seq)
     return seq
@@ -96,13 +129,15 @@ class ChunkStream:
     """One chunk job's stream: opened past the gate, announces once, releases always."""
 
     def __init__(self, ss: gate.StreamSettings, run_dir: Path, hidden: Path, index: Path,
-                 shapes: dict[str, Any]) -> None:  # fmt: skip
+                 shapes: dict[str, Any], pass_: int = 1,
+                 deterministic: bool = False) -> None:  # fmt: skip
         self.ss, self.run_dir, self.hidden, self.index, self.shapes = (
             ss, run_dir, hidden, index, shapes
         )  # fmt: skip
+        self.pass_, self.deterministic = pass_, deterministic
 
     @classmethod
-    def open(cls, cfg: Any, *, hidden: Path, index: Path) -> ChunkStream:
+    def open(cls, cfg: Any, *, hidden: Path, index: Path, pass_: int = 1) -> ChunkStream:
         from hsextract.budget import bytes_per_token
         from hsextract.client import model_geometry
         from hsextract.config import run_dir
@@ -126,8 +161,11 @@ class ChunkStream:
             chunk=Path(hidden).stem,
             index=index,
             raw_bytes_per_token=bytes_per_token(geo.hidden_size, n_aux, dtype),
+            pass_=pass_,
         )
-        out = cls(ss, rd, hidden, index, shapes)
+        # Bit-deterministic: the reference engine always, SGLang with batch-invariant ops.
+        deterministic = cfg.engine == "reference" or bool(cfg.server.batch_invariant)
+        out = cls(ss, rd, hidden, index, shapes, pass_, deterministic)
         # A failed chunk job exits through sys.exit: its reservation goes with it (one
         # SIGKILLed is found dead by the next gate, on this host).
         atexit.register(out.release)
@@ -141,7 +179,9 @@ class ChunkStream:
             hidden=self.hidden,
             index=self.index,
             shapes=self.shapes,
+            pass_=self.pass_,
+            deterministic=self.deterministic,
         )
 
     def release(self) -> None:
-        gate.release(self.run_dir, Path(self.hidden).stem)
+        gate.release(self.run_dir, _key(Path(self.hidden).stem, self.pass_))

@@ -140,10 +140,11 @@ class StreamDataset(IterableDataset):
                 "acked it, or a user removed it); resume from a checkpoint that still has it"
             ) from None
         if seen != line["sha256"]:
-            AckWriter(self.run_dir).nack(line["seq"], line["sha256"], seen)
+            AckWriter(self.run_dir).nack(line["seq"], line["sha256"], seen, int(line.get("rev", 0)))
             raise StreamError(
                 f"{line['chunk']} (seq {line['seq']}): {path} has sha256 {seen[:12]}..., the "
-                f"journal announced {line['sha256'][:12]}...: nacked, not trained on"
+                f"journal announced {line['sha256'][:12]}...: nacked, not trained on; the next "
+                "extract_all redoes it (a new revision), then resume from your checkpoint"
             )
         try:
             return ChunkReader(path)

@@ -1,0 +1,176 @@
+"""Receipts and redos: how Snakemake, the plan and the manifest see the stream's deletions.
+
+Under ``stream.budget_gb`` the producer deletes a chunk's payload once the trainer acked it
+(:func:`hsextract.stream.gate.delete_acked`, logged in ``deleted.jsonl``); its sidecar
+stays and is the chunk's *receipt*.  So under a budget extract_chunk's output is the
+sidecar alone (the payload a param) and ``extract_all`` asks for receipts: a deleted,
+acknowledged chunk is done, not missing; the plan counts it current, the manifest lists it
+from the receipt, ``verify`` checks it against the receipt and the deletion's record.  A
+payload gone *without* such a line (lost before its ack, or removed by hand) is named in
+the plan's trigger (plan.changed_note), so the next ``extract_all`` redoes it; the journal
+recognises the redo (same chunk, same sha256 with a bit-deterministic engine) and
+announces nothing twice.
+
+A chunk the trainer *nacked* (its bytes were not the announced sha256) is in that trigger
+too; the plan deletes its payload and sidecar -- only at the path the journal names inside
+the run dir -- and redoes it; its announcement is a new revision of the same seq, which
+readers open.
+
+Stdlib only: the plan and ``hsextract status`` call this.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from hsextract.stream.gate import DELETED
+from hsextract.stream.journal import (
+    ACKS,
+    StreamState,
+    append_line,
+    locked,
+    read_lines,
+    read_state,
+    stream_dir,
+)
+
+log = logging.getLogger("hsextract")
+
+
+def deleted_after_ack(run_dir: str | Path) -> dict[str, dict[str, Any]]:
+    """Chunk name -> its ``deleted.jsonl`` line (with the payload's sha256), for every
+    payload the producer freed after the trainer's ack that is still gone.
+
+    The last line for a path decides: a payload re-extracted since (it exists again) or
+    deleted for a nack is no receipt.  ``{}`` without a stream (an offline run).
+    """
+    run_dir = Path(run_dir)
+    sdir = stream_dir(run_dir)
+    lines = read_lines(sdir / DELETED)
+    if not lines:
+        return {}
+    last: dict[str, dict[str, Any]] = {}
+    for d in lines:
+        if Path(d["path"]).parent == Path("hidden"):  # pass 1's; later passes' are no receipts
+            last[str(d["path"])] = d
+    st: StreamState | None = None
+    out: dict[str, dict[str, Any]] = {}
+    for path, d in last.items():
+        if d.get("why", "ack") != "ack" or (run_dir / path).exists():
+            continue
+        if "sha256" not in d:  # written before deleted lines carried it: the journal's
+            st = st or read_state(sdir)
+            line = st.chunks.get(int(d["seq"]))
+            if line is None or line["path"] != path:
+                continue
+            d = {**d, "sha256": line["sha256"], "chunk": line["chunk"]}
+        out[str(d.get("chunk") or Path(path).stem)] = d
+    return out
+
+
+def receipt_matches(sidecar: dict[str, Any], deleted: dict[str, Any]) -> bool:
+    """Whether a sidecar describes the very payload that was deleted (not a later redo's)."""
+    return sidecar.get("sha256") == deleted.get("sha256") and sidecar.get("bytes") == deleted.get(
+        "bytes"
+    )
+
+
+def open_nacks(run_dir: str | Path, st: StreamState | None = None) -> dict[str, dict[str, Any]]:
+    """Payload path (the journal's; one per chunk and pass) -> ``{chunk, seq, rev,
+    sha256_expected, sha256_seen}`` for each nack the journal has not answered yet.
+    ``{}`` when the trainer never nacked (one stat)."""
+    sdir = stream_dir(run_dir)
+    if st is None:
+        if not (sdir / ACKS).exists():
+            return {}
+        st = read_state(sdir)
+    out = {}
+    for seq, n in st.nacked.items():
+        if st.nack_open(seq):
+            line = st.chunks[seq]
+            out[line["path"]] = {
+                "chunk": line["chunk"],
+                "seq": seq,
+                "rev": int(line.get("rev", 0)),
+                "sha256_expected": n.get("sha256_expected"),
+                "sha256_seen": n.get("sha256_seen"),
+            }
+    return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _ours(run_dir: Path, rel: str) -> Path | None:
+    """The file the journal names, if it is a plain file inside the run dir (else not ours)."""
+    p = run_dir / rel
+    if p.is_symlink() or run_dir.resolve() not in p.resolve().parents:
+        return None
+    return p
+
+
+def redo_nacked(run_dir: str | Path) -> list[str]:
+    """Delete the payload and sidecar of each chunk the trainer nacked, so the plan redoes it.
+
+    Only the path the journal names, inside the run dir, not a symlink, and only while its
+    bytes still differ from the announced sha256 (a payload restored since is the one the
+    trainer wants: its next read accepts it).  Logged in ``deleted.jsonl`` (``why: nack``).
+    Returns the payload paths deleted.
+    """
+    run_dir = Path(run_dir)
+    sdir = stream_dir(run_dir)
+    if not (sdir / ACKS).exists():
+        return []
+    done = []
+    with locked(sdir):
+        st = read_state(sdir)
+        for path, n in sorted(open_nacks(run_dir, st).items()):
+            chunk = n["chunk"]
+            p = _ours(run_dir, path)
+            if p is None:
+                log.warning("%s: nacked, but %s is not our file: left alone", chunk, path)
+                continue
+            try:
+                if _sha256(p) == n["sha256_expected"]:
+                    continue
+            except FileNotFoundError:
+                pass
+            side = p.with_suffix(".json")
+            size = p.stat().st_size if p.exists() else 0
+            p.unlink(missing_ok=True)
+            if not side.is_symlink():
+                side.unlink(missing_ok=True)
+            append_line(
+                sdir / DELETED,
+                {"seq": n["seq"], "chunk": chunk, "path": path, "why": "nack", "bytes": size,
+                 "sha256": n["sha256_expected"], "at": round(time.time(), 3)},
+            )  # fmt: skip
+            done.append(path)
+    return done
+
+
+def regenerated(run_dir: str | Path) -> dict[str, Any]:
+    """epochs_mode regenerate: per later pass, its chunks re-extracted and how many have
+    pass 1's sha256 (all of them with a bit-deterministic engine); for the report."""
+    st = read_state(stream_dir(run_dir))
+    first = {c["chunk"]: c["sha256"] for c in st.chunks.values() if c["pass"] == 1}
+    out: dict[str, Any] = {}
+    for c in sorted(st.chunks.values(), key=lambda c: (c["pass"], c["chunk"])):
+        if c["pass"] == 1:
+            continue
+        p = out.setdefault(str(c["pass"]), {"chunks": 0, "matched": 0, "differ": []})
+        p["chunks"] += 1
+        if first.get(c["chunk"]) == c["sha256"]:
+            p["matched"] += 1
+        else:
+            p["differ"].append(c["chunk"])
+    return out

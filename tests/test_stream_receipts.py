@@ -1,0 +1,278 @@
+"""Snakemake stays the engine under a disk budget (issue 39): a chunk the stream deleted
+after the trainer's ack is done, not missing (its sidecar is the receipt); a payload lost
+before its ack, or nacked by the trainer, is redone -- announced once, or as a new
+revision the reader opens.  The real workflow (reference engine, 4 chunks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from fixtures_demo import (
+    kill_processes_under,
+    make_workdir,
+    planned_jobs,
+    run_dir_of,
+    run_snakemake,
+)
+
+from hsextract.chunkfile import sha256_file
+from hsextract.stream import gate, journal
+from hsextract.stream.reader import StreamDataset
+
+CONFIG = {
+    "n_chunks": 4,
+    "demo.n_records": 16,
+    "max_seq_len": 128,
+    "dump.dir": "shm/dump",
+    "server.health_timeout_s": 120,
+    # A budget the tiny run never fills: these tests are about deletion and redo, not waiting.
+    "stream.budget_gb": 1.0,
+    "stream.trainer_ranks": 1,
+    "stream.prefetch_chunks": 1,
+    "stream.checkpoint_chunks": 1,
+    "stream.poll_s": 0.2,
+}
+
+
+def workdir(tmp_path: Path) -> tuple[Path, Path]:
+    wd = make_workdir(tmp_path / "w", **CONFIG)
+    (wd / "shm").mkdir()
+    return wd, run_dir_of(wd)
+
+
+def rel(rd: Path, wd: Path, name: str) -> str:
+    return str((rd / "hidden" / name).relative_to(wd))
+
+
+def chunk_lines(rd: Path) -> list[dict]:
+    return [
+        ln for ln in journal.read_lines(rd / "stream" / "journal.jsonl") if ln["type"] == "chunk"
+    ]
+
+
+def hsextract(wd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hsextract.cli", *args], cwd=wd, capture_output=True, text=True
+    )
+
+
+def all_ids(rd: Path) -> Counter:
+    return Counter(
+        json.loads(line)["id"]
+        for p in sorted((rd / "chunks").glob("chunk_*.jsonl"))
+        for line in p.read_text().splitlines()
+    )
+
+
+# -- fast: the journal and the gate, no workflow -----------------------------------------
+
+
+def one_chunk(run_dir: Path, i: int = 0) -> dict:
+    """A chunk file (any bytes: the journal and gate only stat and hash it) and its line."""
+    p = run_dir / "hidden" / f"chunk_{i:05d}.safetensors"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_bytes(bytes(range(256)) * 4)
+    return {"chunk": p.stem, "path": f"hidden/{p.name}", "sha256": sha256_file(p),
+            "records": 2, "tokens": 6, "content_digest": f"d{i}"}  # fmt: skip
+
+
+def test_a_redo_after_a_nack_is_a_new_revision_even_with_the_same_bytes(tmp_path):
+    side = one_chunk(tmp_path)
+    assert journal.announce(tmp_path, n_chunks=2, **side) == (0, True)
+    assert journal.announce(tmp_path, n_chunks=2, **side) == (0, False)  # a rerun: once
+    journal.AckWriter(tmp_path).nack(0, side["sha256"], "f" * 64)  # the reader's, of rev 0
+    # The redo (bit-deterministic: the same bytes) answers the nack with revision 1, once.
+    assert journal.announce(tmp_path, n_chunks=2, **side) == (0, True)
+    assert journal.announce(tmp_path, n_chunks=2, **side) == (0, False)
+    assert [ln["rev"] for ln in chunk_lines(tmp_path)] == [0, 1]
+    assert journal.read_state(tmp_path / "stream").chunks[0]["rev"] == 1  # what readers open
+
+
+def test_a_payload_lost_before_its_ack_keeps_its_room_and_its_redo_passes_the_gate(tmp_path):
+    sides = [one_chunk(tmp_path, i) for i in range(2)]
+    for s in sides:
+        journal.announce(tmp_path, n_chunks=3, **s)
+    size = (tmp_path / sides[0]["path"]).stat().st_size
+    # A budget holding exactly the two announced chunks: a third waits.
+    ss = gate.StreamSettings(budget_bytes=2 * size + 10, trainer_ranks=1, prefetch_chunks=1,
+                             checkpoint_chunks=1, low_mark=0.9, poll_s=0.05)  # fmt: skip
+    (tmp_path / sides[0]["path"]).unlink()  # lost before its ack
+    st = journal.read_state(tmp_path / "stream")
+    assert gate.unacked_bytes(tmp_path, st, 1) == 2 * size  # its room stays held
+    kw = {"tokens": 1, "raw_bytes_per_token": 1, "largest_tokens": 1, "run_tokens": 3}
+    # Its redo passes at once, though the budget is full (the trainer waits for it) ...
+    got = gate.wait_for_room(tmp_path, ss, chunk="chunk_00000", **kw)
+    assert got["redo"] and not gate.reservations(tmp_path / "stream")
+    # ... while a new chunk (as big: 6 tokens) would not fit: the gate shuts for it.
+    done = threading.Event()
+    t = threading.Thread(
+        target=lambda: (
+            gate.wait_for_room(tmp_path, ss, chunk="chunk_00002", **{**kw, "tokens": 6}),
+            done.set(),
+        ),  # fmt: skip
+        daemon=True,
+    )
+    t.start()
+    deadline = time.monotonic() + 60
+    while not gate.summary(tmp_path)["paused"]:
+        assert time.monotonic() < deadline, "the gate never shut for the new chunk"
+        time.sleep(0.01)
+    assert not done.is_set()
+    journal.AckWriter(tmp_path).ack([0, 1])
+    assert done.wait(60), "the gate did not open after the acks"
+    t.join(60)
+
+
+def test_regenerated_counts_the_later_passes_matching_pass_1(tmp_path):
+    from hsextract.stream.receipts import regenerated
+
+    sides = [one_chunk(tmp_path, i) for i in range(2)]
+    for s in sides:
+        journal.announce(tmp_path, n_chunks=2, **s)
+    for i, s in enumerate(sides):  # pass 2: chunk 0 the same bytes, chunk 1 others
+        journal.announce(tmp_path, n_chunks=2, pass_=2, **{**s, "sha256": s["sha256"] if i == 0
+                         else "e" * 64})  # fmt: skip
+    assert regenerated(tmp_path) == {"2": {"chunks": 2, "matched": 1, "differ": ["chunk_00001"]}}
+
+
+@pytest.mark.workflow
+def test_acked_deleted_chunks_are_done_and_a_payload_lost_before_its_ack_is_redone(tmp_path):
+    wd, rd = workdir(tmp_path)
+    sdir = rd / "stream"
+    try:
+        # Chunks 0 and 1 extracted and announced; the trainer's checkpoint covers them.
+        run_snakemake(wd, "-j1", rel(rd, wd, "chunk_00000.json"), rel(rd, wd, "chunk_00001.json"))
+        journal.AckWriter(rd).ack([0, 1])
+        # The rest: chunk 2's and 3's jobs free the acked payloads (their gates).
+        run_snakemake(wd, "-j1", "extract_all")
+        deleted = journal.read_lines(sdir / "deleted.jsonl")
+        assert sorted(d["chunk"] for d in deleted) == ["chunk_00000", "chunk_00001"]
+        assert not (rd / "hidden" / "chunk_00000.safetensors").exists()
+        assert (rd / "hidden" / "chunk_00000.json").exists()  # the receipt stays
+
+        # Done, not missing: nothing to plan, status counts them, verify accepts them.
+        dry = run_snakemake(wd, "-n", "extract_all")
+        assert "Nothing to be done" in dry.stdout, dry.stdout[-3000:]
+        status = hsextract(wd, "status", "--configfile", "config.yaml")
+        assert "chunks    4 of 4 done" in status.stdout, status.stdout + status.stderr
+        manifest = json.loads((rd / "manifest.json").read_text())
+        freed = [c["chunk"] for c in manifest["chunks"] if c.get("deleted_after_ack")]
+        assert freed == ["chunk_00000", "chunk_00001"]
+        verify = hsextract(wd, "verify", str(rd / "manifest.json"))
+        assert verify.returncode == 0, verify.stdout + verify.stderr
+        assert "2 chunk(s) deleted after the trainer's ack" in verify.stdout
+
+        # A payload gone before its ack (seq 2, announced, not acked): planned and redone,
+        # announced once.
+        (rd / "hidden" / "chunk_00002.safetensors").unlink()
+        dry = planned_jobs(run_snakemake(wd, "-n", "extract_all").stdout)
+        assert dry.get("plan_chunks") == 1 and dry.get("extract_chunk"), dry  # plan, then redo
+        stamps = {p.name: p.stat().st_mtime_ns for p in (rd / "hidden").glob("*.json")}
+        res = run_snakemake(wd, "-j1", "extract_all")
+        assert (res.stdout + res.stderr).count("rule extract_chunk:") == 1
+        assert (rd / "hidden" / "chunk_00002.safetensors").exists()
+        now = {p.name: p.stat().st_mtime_ns for p in (rd / "hidden").glob("*.json")}
+        assert [n for n in sorted(now) if now[n] != stamps[n]] == ["chunk_00002.json"]
+
+        # One chunk redone on request under a budget: its receipt named, forced (README).
+        run_snakemake(wd, "-j1", "-f", rel(rd, wd, "chunk_00000.json"))
+        assert (rd / "hidden" / "chunk_00000.safetensors").exists()  # kept by its own job
+        lines = chunk_lines(rd)
+        assert Counter(ln["chunk"] for ln in lines) == {f"chunk_{i:05d}": 1 for i in range(4)}
+        # No chunk to redo (the manifest follows the new sidecar, as offline).
+        dry = planned_jobs(run_snakemake(wd, "-n", "extract_all").stdout)
+        assert set(dry) <= {"manifest", "report_figures", "extract_all"}, dry
+    finally:
+        kill_processes_under(wd)
+
+
+@pytest.mark.workflow
+def test_a_nacked_chunk_is_redone_as_a_new_revision_the_reader_accepts(tmp_path):
+    wd, rd = workdir(tmp_path)
+    try:
+        run_snakemake(wd, "-j1", "extract_all")
+        want = all_ids(rd)
+        # Chunk 1's bytes rot on disk, its mtime unchanged: only the trainer's sha256 check
+        # (its nack) can tell.
+        p = rd / "hidden" / "chunk_00001.safetensors"
+        st = p.stat()
+        data = bytearray(p.read_bytes())
+        data[-1] ^= 0xFF
+        p.write_bytes(bytes(data))
+        os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+        seq1 = next(ln for ln in chunk_lines(rd) if ln["chunk"] == "chunk_00001")["seq"]
+
+        ds = StreamDataset(rd, world=1, timeout_s=60)
+        seen: list[str] = []
+        with pytest.raises(journal.StreamError, match="nacked"):
+            for s in ds:
+                seen.append(s["id"])
+        state = ds.state_dict()  # the trainer's checkpoint: what it consumed
+        assert list(journal.read_state(rd / "stream").nacked) == [seq1]
+
+        # The next extract_all plans again (dry: the plan), removes the nacked payload and
+        # its sidecar, redoes the chunk: a new revision of the same seq.
+        dry = run_snakemake(wd, "-n", "extract_all")
+        assert "plan_chunks" in planned_jobs(dry.stdout), dry.stdout[-3000:]
+        run_snakemake(wd, "-j1", "extract_all")
+        deleted = journal.read_lines(rd / "stream" / "deleted.jsonl")
+        assert [(d["chunk"], d["why"]) for d in deleted] == [("chunk_00001", "nack")]
+        revs = [ln for ln in chunk_lines(rd) if ln["seq"] == seq1]
+        assert [ln["rev"] for ln in revs] == [0, 1]
+        assert revs[1]["sha256"] == revs[0]["sha256"]  # the reference engine: bit-deterministic
+        assert len(chunk_lines(rd)) == 5  # nothing else announced again
+        assert "Nothing to be done" in run_snakemake(wd, "-n", "extract_all").stdout
+
+        # The trainer resumed from its checkpoint reads the new revision: every record once.
+        resumed = StreamDataset(rd, world=1, timeout_s=60)
+        resumed.load_state_dict(state)
+        seen += [s["id"] for s in resumed]
+        assert Counter(seen) == want
+    finally:
+        kill_processes_under(wd)
+
+
+@pytest.mark.workflow
+def test_regenerate_pass_2_re_extracts_the_deleted_chunks_and_the_report_counts_matches(tmp_path):
+    wd = make_workdir(
+        tmp_path / "w", **CONFIG, **{"stream.epochs_mode": "regenerate", "stream.passes": 2}
+    )
+    (wd / "shm").mkdir()
+    rd = run_dir_of(wd)
+    sdir = rd / "stream"
+    try:
+        # Pass 1, read and acked by the trainer; then the rest: pass 2 re-extracts.
+        run_snakemake(wd, "-j1", *(rel(rd, wd, f"chunk_{i:05d}.json") for i in range(4)))
+        want = all_ids(rd)
+        journal.AckWriter(rd).ack([0, 1, 2, 3], pass_=1)
+        run_snakemake(wd, "-j1", "extract_all")
+        deleted = journal.read_lines(sdir / "deleted.jsonl")
+        assert sorted(d["path"] for d in deleted) == [
+            f"hidden/chunk_{i:05d}.safetensors" for i in range(4)
+        ]
+        lines = chunk_lines(rd)
+        again = [ln for ln in lines if ln["pass"] == 2]
+        assert sorted(ln["chunk"] for ln in again) == [f"chunk_{i:05d}" for i in range(4)]
+        assert all((rd / ln["path"]).exists() for ln in again)  # not acked yet: on disk
+        first = {ln["chunk"]: ln["sha256"] for ln in lines if ln["pass"] == 1}
+        assert all(ln["sha256"] == first[ln["chunk"]] for ln in again)
+        ends = [ln for ln in journal.read_lines(sdir / "journal.jsonl") if ln["type"] == "end_pass"]
+        assert [e["pass"] for e in ends] == [1, 2]
+        page = (rd / "report" / "run.html").read_text()
+        assert "pass 2 re-extracted" in page and "4 chunks, 4 with pass 1&#x27;s sha256" in page
+        assert "Nothing to be done" in run_snakemake(wd, "-n", "extract_all").stdout
+
+        # The trainer's pass 2 reads the re-extracted chunks: every record once.
+        ds = StreamDataset(rd, world=1, timeout_s=60, epochs_mode="regenerate")
+        ds.set_pass(2)
+        assert Counter(s["id"] for s in ds) == want
+    finally:
+        kill_processes_under(wd)
