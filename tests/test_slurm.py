@@ -19,6 +19,8 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -406,3 +408,83 @@ def test_an_allocations_first_server_start_clears_a_cancelled_ones_pieces(tmp_pa
     server.write_json(server.live_path(state), {"pid": 2**22 + 7})  # our own: a relaunch
     assert "chunk_00003-000001-0123abcd" in check()
     assert len(gated) == 3  # the GPU gate runs every time
+
+
+def test_train_while_extracting_with_the_trainer_on_another_node(slurm_cluster, tmp_path):
+    """Issue 39, across nodes: the chunk jobs in SLURM allocations, the trainer a SLURM job
+    of its own on n2; journal, acks and reservations are files of the shared output_root
+    (one host here, so the filesystem is trivially shared; the protocol uses nothing
+    else: no service, no socket between them).  Every record trained on once, the budget
+    held on disk through the run, nothing left reserved or running."""
+    from collections import Counter
+
+    from hsextract.budget import bytes_per_token
+    from hsextract.stream import gate, journal
+
+    workdir = make_workdir(tmp_path / "wd", **{"n_chunks": 8, "demo.n_records": 32,
+                                             "max_seq_len": 128})  # fmt: skip
+    rd = run_dir_of(workdir)
+    run_snakemake(workdir, "-j1", str((rd / "chunks" / "index.json").relative_to(workdir)))
+    tokens = [c["tokens"] for c in json.loads((rd / "chunks" / "index.json").read_text())["chunks"]]
+    bpt = bytes_per_token(64, 3, "float32")  # the demo model: H 64, 3 aux layers
+    stream = {"trainer_ranks": 1, "prefetch_chunks": 1, "checkpoint_chunks": 1,
+              "low_mark": 0.85, "poll_s": 0.2}  # fmt: skip
+    ss = gate.StreamSettings(budget_bytes=0, **stream)
+    w = ss.window_chunks()
+    budget = int(max(w, (w - 1) / ss.low_mark) * max(tokens) * bpt) + 1000  # the least allowed
+    assert budget < 0.75 * sum(tokens) * bpt
+    cfg = yaml.safe_load((workdir / "config.yaml").read_text())
+    cfg["stream"] = {"budget_gb": budget / 1e9, **stream}
+    (workdir / "config.yaml").write_text(yaml.safe_dump(cfg))
+    want = Counter(
+        json.loads(line)["id"]
+        for p in sorted((rd / "chunks").glob("chunk_*.jsonl"))
+        for line in p.read_text().splitlines()
+    )
+    out = tmp_path / "trainer"
+    out.mkdir()
+    trainer_cmd = (f"{sys.executable} {REPO / 'tests' / 'stream_trainer.py'} --run-dir {rd} "
+                   f"--out {out} --world 1 --workers 2 --ckpt-every 2")  # fmt: skip
+    trainer = _slurm("sbatch", "--parsable", "--nodelist=n2", "--cpus-per-task=1", "--mem=400",
+                     f"--output={out}/slurm-%j.log", "--wrap", trainer_cmd)  # fmt: skip
+    trainer_id = trainer.stdout.strip().split(";")[0]
+    sdir = rd / "stream"
+    peak = [0]
+    sampling = threading.Event()
+
+    def sample() -> None:
+        while not sampling.is_set():
+            try:
+                st = journal.read_state(sdir)
+                peak[0] = max(peak[0], gate.unacked_bytes(rd, st, 1))
+            except (FileNotFoundError, ValueError):
+                pass  # no journal yet, or a file deleted while measured
+            sampling.wait(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    profile = slurm_profile(tmp_path / "profile")
+    try:
+        proc = run_snakemake(workdir, "--profile", str(profile), "extract_all", timeout=600)
+
+        def trainer_state() -> str | None:
+            q = _slurm("squeue", "-h", "--states=all", "-j", trainer_id, "-o", "%T %N")
+            state = q.stdout.split()
+            return " ".join(state) if state and state[0] in {"COMPLETED", "FAILED"} else None
+
+        ended = _wait(trainer_state, 300, "the trainer's SLURM job to end")
+        log = "".join(p.read_text() for p in out.glob("slurm-*.log"))
+        assert ended == "COMPLETED n2", f"{ended}\n{log[-3000:]}"
+    finally:
+        sampling.set()
+        sampler.join()
+        subprocess.run(["scancel", trainer_id], capture_output=True, timeout=30)
+    # The chunk jobs ran in SLURM allocations, not on the head node.
+    assert set(submitted(proc.stdout + proc.stderr).values()) == {"group_extract_extract_chunk"}
+    done = json.loads((out / "done.json").read_text())
+    assert Counter(i for rank in done["trained"] for i in rank) == want
+    st = journal.read_state(sdir)
+    assert sorted(st.chunks) == list(range(8)) and all(st.is_acked(s) for s in range(8))
+    assert 0 < peak[0] <= budget, (peak[0], budget)
+    assert gate.reservations(sdir) == {}
+    assert_nothing_left(workdir, rd)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import os
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -339,21 +340,56 @@ def test_deletion_leaves_a_file_that_is_not_what_we_announced(tmp_path):
     assert p.read_bytes() == b"a user's file now"
 
 
-def test_a_dead_jobs_reservation_is_dropped(tmp_path):
-    sdir = tmp_path / "stream" / gate.INFLIGHT
-    sdir.mkdir(parents=True)
-    ctx = mp.get_context("spawn")
-    p = ctx.Process(target=os.getpid)
-    p.start()
-    p.join()
-    import socket
+#: A chunk job past its gate (an empty run with room to spare) on another node: its host
+#: name is not this machine's.
+HOLDER = """
+import pathlib, socket, sys
+socket.gethostname = lambda: sys.argv[2]
+from hsextract.stream import gate
+gate.wait_for_room(pathlib.Path(sys.argv[1]), gate.StreamSettings(budget_bytes=10**12),
+                   chunk=sys.argv[3], tokens=1, raw_bytes_per_token=10, largest_tokens=1,
+                   run_tokens=1)
+print("held", flush=True)
+sys.stdin.read()
+"""
 
-    for name, pid in (("chunk_00001", p.pid), ("chunk_00002", os.getpid())):
-        (sdir / f"{name}.json").write_text(
-            json.dumps({"bytes": 10, "host": socket.gethostname(), "pid": pid})
+
+def hold_reservation(run_dir: Path, host: str, chunk: str) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(run_dir), host, chunk],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_dead_jobs_reservation_is_dropped_whichever_node_it_ran_on(tmp_path):
+    """A SLURM cancel kills a chunk job between its gate and its announcement, on a node
+    the gate's process cannot see: its bytes must come back (a pid means nothing across
+    nodes), while a live job's stay reserved."""
+    sdir = tmp_path / "stream"
+    procs = []
+    try:
+        procs += [hold_reservation(tmp_path, "node-b", "chunk_00001"),
+                  hold_reservation(tmp_path, "node-c", "chunk_00002")]  # fmt: skip
+        est = gate.reservations(sdir)["chunk_00001"]
+        ss = gate.StreamSettings(budget_bytes=10**12)
+        gate.wait_for_room(tmp_path, ss, chunk="chunk_00003", tokens=1, raw_bytes_per_token=10,
+                           largest_tokens=1, run_tokens=1)  # fmt: skip
+        assert gate.reservations(sdir) == dict.fromkeys(
+            ["chunk_00001", "chunk_00002", "chunk_00003"], est
         )
-    assert gate.reservations(tmp_path / "stream") == {"chunk_00002": 10}
-    assert not (sdir / "chunk_00001.json").exists()
+        procs[0].kill()
+        procs[0].wait()
+        assert gate.reservations(sdir) == dict.fromkeys(["chunk_00002", "chunk_00003"], est)
+        assert not (sdir / gate.INFLIGHT / "chunk_00001.json").exists()
+        gate.release(tmp_path, "chunk_00003")
+        assert gate.reservations(sdir) == {"chunk_00002": est}
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert gate.reservations(sdir) == {}
 
 
 def test_the_summary_names_what_waits_for_the_trainer(tmp_path):

@@ -8,6 +8,7 @@ one already gone.  Stdlib only.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -120,17 +121,53 @@ def _on_disk(run_dir: Path, line: dict[str, Any]) -> int:
         return 0
 
 
-def _alive(entry: dict[str, Any]) -> bool:
-    """A reservation's job still runs (another host's: assumed alive, it cannot be seen)."""
-    if entry.get("host") != socket.gethostname():
-        return True
+#: This process's reservations: chunk -> the descriptor holding its file's flock.
+_held: dict[str, int] = {}
+
+
+def _reserve(sdir: Path, chunk: str, entry: dict[str, Any]) -> None:
+    """Write a chunk's reservation, flock'ed by this process until :func:`release`.
+
+    The lock is the liveness: the kernel drops it when the job dies (a SIGKILL, a SLURM
+    cancel), on whichever node the job ran, so the next gate on any node frees a dead
+    job's bytes.  A pid names a process on one host only: across nodes a cancelled job's
+    reservation would hold its bytes until that chunk was redone, and a budget sized at
+    the trainer's window would deadlock.  The file is locked before it is renamed into
+    place, so no gate ever sees it unheld.
+    """
+    d = sdir / INFLIGHT
+    d.mkdir(exist_ok=True)
+    tmp = d / f".{chunk}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        os.kill(int(entry["pid"]), 0)
-    except ProcessLookupError:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, json.dumps(entry, sort_keys=True).encode())
+        os.replace(tmp, d / f"{chunk}.json")
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    old = _held.pop(chunk, None)
+    if old is not None:
+        os.close(old)
+    _held[chunk] = fd
+
+
+def _alive(path: Path) -> bool:
+    """A reservation's job still runs: its flock is held (see :func:`_reserve`).  The
+    probe opens the file for writing: NFS emulates flock with POSIX locks, whose
+    exclusive lock needs it."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
         return False
-    except PermissionError:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
         return True
-    return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def reservations(sdir: Path, *, exclude: str | None = None) -> dict[str, int]:
@@ -142,14 +179,13 @@ def reservations(sdir: Path, *, exclude: str | None = None) -> dict[str, int]:
     for p in d.glob("*.json"):
         if p.stem == exclude:
             continue
+        if not _alive(p):
+            p.unlink(missing_ok=True)  # a dead job's: ours, and it will not announce
+            continue
         try:
-            entry = json.loads(p.read_text())
-        except (OSError, ValueError):
-            continue  # a reservation being written or removed right now
-        if _alive(entry):
-            out[p.stem] = int(entry["bytes"])
-        else:
-            p.unlink(missing_ok=True)  # a killed job's: ours, and it will not announce
+            out[p.stem] = int(json.loads(p.read_text())["bytes"])
+        except (OSError, ValueError, KeyError):
+            continue  # removed by its job right now
     return out
 
 
@@ -325,9 +361,9 @@ def wait_for_room(
             fits = held + est <= ss.budget_bytes and not gate.get("paused")
             if fits:
                 _write_json(sdir / GATE, gate)
-                (sdir / INFLIGHT).mkdir(exist_ok=True)
-                _write_json(
-                    sdir / INFLIGHT / f"{chunk}.json",
+                _reserve(
+                    sdir,
+                    chunk,
                     {
                         "bytes": est,
                         "host": socket.gethostname(),
@@ -377,8 +413,13 @@ def _wait_for_acks(sdir: Path, seen: tuple[float, int] | None, poll_s: float):
 
 
 def release(run_dir: Path, chunk: str) -> None:
-    """Drop a chunk job's reservation (announced: its file counts now; or failed)."""
+    """Drop a chunk job's reservation (announced: its file counts now; or failed).
+    Unlinked before its lock goes, so no gate finds it unheld and takes it for a dead
+    job's."""
     (stream_dir(run_dir) / INFLIGHT / f"{chunk}.json").unlink(missing_ok=True)
+    fd = _held.pop(chunk, None)
+    if fd is not None:
+        os.close(fd)
 
 
 def summary(run_dir: Path, final_pass: int = 1, *, budget_bytes: int | None = None) -> dict:
