@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import subprocess
 import sys
 import threading
@@ -346,7 +347,7 @@ HOLDER = """
 import pathlib, socket, sys
 socket.gethostname = lambda: sys.argv[2]
 from hsextract.stream import gate
-gate.wait_for_room(pathlib.Path(sys.argv[1]), gate.StreamSettings(budget_bytes=10**12),
+gate.wait_for_room(pathlib.Path(sys.argv[1]), gate.StreamSettings(budget_gb=1000),
                    chunk=sys.argv[3], tokens=1, raw_bytes_per_token=10, largest_tokens=1,
                    run_tokens=1)
 print("held", flush=True)
@@ -373,7 +374,7 @@ def test_a_dead_jobs_reservation_is_dropped_whichever_node_it_ran_on(tmp_path):
         procs += [hold_reservation(tmp_path, "node-b", "chunk_00001"),
                   hold_reservation(tmp_path, "node-c", "chunk_00002")]  # fmt: skip
         est = gate.reservations(sdir)["chunk_00001"]
-        ss = gate.StreamSettings(budget_bytes=10**12)
+        ss = gate.StreamSettings(budget_gb=1000)
         gate.wait_for_room(tmp_path, ss, chunk="chunk_00003", tokens=1, raw_bytes_per_token=10,
                            largest_tokens=1, run_tokens=1)  # fmt: skip
         assert gate.reservations(sdir) == dict.fromkeys(

@@ -102,7 +102,7 @@ def test_a_payload_lost_before_its_ack_keeps_its_room_and_its_redo_passes_the_ga
         journal.announce(tmp_path, n_chunks=3, **s)
     size = (tmp_path / sides[0]["path"]).stat().st_size
     # A budget holding exactly the two announced chunks: a third waits.
-    ss = gate.StreamSettings(budget_bytes=2 * size + 10, trainer_ranks=1, prefetch_chunks=1,
+    ss = gate.StreamSettings(budget_gb=(2 * size + 10) / 1e9, trainer_ranks=1, prefetch_chunks=1,
                              checkpoint_chunks=1, low_mark=0.9, poll_s=0.05)  # fmt: skip
     (tmp_path / sides[0]["path"]).unlink()  # lost before its ack
     st = journal.read_state(tmp_path / "stream")

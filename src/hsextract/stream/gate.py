@@ -341,7 +341,9 @@ def wait_for_room(
                 bpt = raw_bytes_per_token
                 check_window(ss, largest_tokens * bpt, run_tokens * bpt)
                 first = False
-            delete_acked(run_dir, st, ss.final_pass)
+            if delete_acked(run_dir, st, ss.final_pass):
+                st = read_state(sdir)
+                record_usage(run_dir, st, ss, "delete", chunk)
             name, pass_ = redo_of or (chunk, 1)
             if any(c["chunk"] == name and c["pass"] == pass_ for c in st.unacked(ss.final_pass)):
                 # A redo of a chunk announced and not acked (its payload lost, or nacked):
