@@ -763,9 +763,10 @@ def main() -> None:
     ap.add_argument(
         "--ack-fallback-s",
         type=float,
-        default=10.0,
-        help="ack a read chunk after this long even if Snakemake's log has not "
-        "said its job finished",
+        default=0.0,
+        help="ack a read chunk after this long even if Snakemake's log has not said its "
+        "job finished (0: as soon as it is read; the receipts made the chunk file no output "
+        "Snakemake checks, so nothing needs the wait)",
     )
     ap.add_argument("--period", type=float, default=0.5, help="disk sampling period (s)")
     ap.add_argument(
