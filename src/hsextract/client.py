@@ -407,6 +407,16 @@ def _piece_finite(
     return True
 
 
+def one_thread_per_op() -> None:
+    """Run this process's torch ops on one thread each: the chunk job's parallelism is its
+    sender threads (``requests_in_flight`` x dp of them).  Each thread that runs a parallel
+    torch op gets an OpenMP team of its own, ``torch.get_num_threads()`` (the cores) wide,
+    kept while the thread lives: at dp 8 on a 16-core node the client ceiling bench died
+    of it ("libgomp: Thread creation failed"), and a 128-core node would ask for ~16k
+    threads a job."""
+    torch.set_num_threads(1)
+
+
 def _all_finite(t: torch.Tensor) -> bool:
     """Exact, and fast: an inf or nan makes the sum inf or nan, so a finite sum proves every
     element finite (bf16 ``sum`` runs ~50x faster than ``isfinite().all()`` on CPU); only an
@@ -792,6 +802,7 @@ def _extract_chunk(
     from hsextract.records import Record, index_entry, load_chunk, records_digest
     from hsextract.window import for_run
 
+    one_thread_per_op()
     name = Path(chunk_path).stem
     t0 = time.monotonic()
     index = Path(index_path) if index_path else None
