@@ -21,12 +21,12 @@ Stdlib only: the plan and ``hsextract status`` call this.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from pathlib import Path
 from typing import Any
 
+from hsextract.chunkfile import sha256_file
 from hsextract.stream.gate import DELETED
 from hsextract.stream.journal import (
     ACKS,
@@ -102,14 +102,6 @@ def open_nacks(run_dir: str | Path, st: StreamState | None = None) -> dict[str, 
     return out
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _ours(run_dir: Path, rel: str) -> Path | None:
     """The file the journal names, if it is a plain file inside the run dir (else not ours)."""
     p = run_dir / rel
@@ -140,7 +132,7 @@ def redo_nacked(run_dir: str | Path) -> list[str]:
                 log.warning("%s: nacked, but %s is not our file: left alone", chunk, path)
                 continue
             try:
-                if _sha256(p) == n["sha256_expected"]:
+                if sha256_file(p) == n["sha256_expected"]:
                     continue
             except FileNotFoundError:
                 pass
