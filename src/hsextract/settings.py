@@ -150,7 +150,7 @@ DECLARED: tuple[Setting | Group, ...] = (
       schema={"minimum": 0, "maximum": 65535}),
     S("server.chunked_prefill_size", "integer", "tokens per extend batch; -1 = off", LAUNCH, ("launch",), 8192, sample=128),
     S("server.max_running_requests", ("integer", "string"), "requests the server runs at once, per dp worker (SGLang --max-running-requests); auto = client.requests_in_flight x client.sending_jobs, what the turns' windows hold (hsextract.window)", LAUNCH, ("launch",), "auto", sample=4,
-      schema=_AUTO, note="`auto`: derived at launch from the merged records' lengths; `hsextract plan` says the value"),
+      schema=_AUTO, note="`auto`: derived at launch from the merged records' lengths, shown by the plan command (hsextract plan)"),
     S("server.health_timeout_s", "number", "how long a launch may take to become healthy", default=900, sample=100,
       schema=_POS_NUM),
     S("server.health_probes", "integer", "failed /health probes in a row before ensure() replaces a server whose process is alive",
