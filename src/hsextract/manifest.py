@@ -158,16 +158,23 @@ def _chunk_entry(
         problem = f"it is stored with codec {info['codec']}, storage.codec is {codec}"
     if problem:
         raise ManifestError(f"chunk {name}: {problem}; {_redo(path)}")
+    return _entry(meta, entry, root, path, size, info["codec"], info["raw_bytes"])
+
+
+def _entry(
+    meta: dict, entry: dict, root: Path, path: Path, size: int, codec: str, raw: int
+) -> dict:
+    """A manifest entry: the sidecar's figures, checked by the caller, whichever way."""
     return {
-        "chunk": name,
+        "chunk": meta["chunk"],
         "path": str(path.relative_to(root)),
         "sha256": meta["sha256"],
         "content_digest": entry["content_digest"],
         "records": meta["records"],
         "tokens": meta["tokens"],
         "bytes": size,
-        "codec": info["codec"],
-        "states_raw_bytes": info["raw_bytes"],
+        "codec": codec,
+        "states_raw_bytes": raw,
     }
 
 
@@ -206,16 +213,9 @@ def _receipt_entry(
     if problem:
         raise ManifestError(f"chunk {name}: {problem}; {_redo(path)}")
     assert entry is not None
+    raw = meta.get("states_raw_bytes", meta["bytes"])
     return {
-        "chunk": name,
-        "path": str(path.relative_to(root)),
-        "sha256": meta["sha256"],
-        "content_digest": entry["content_digest"],
-        "records": meta["records"],
-        "tokens": meta["tokens"],
-        "bytes": meta["bytes"],
-        "codec": meta.get("codec", codec),
-        "states_raw_bytes": meta.get("states_raw_bytes", meta["bytes"]),
+        **_entry(meta, entry, root, path, meta["bytes"], meta.get("codec", codec), raw),
         # Not on disk: the trainer acknowledged it and the stream freed it (deleted.jsonl).
         "deleted_after_ack": True,
     }
