@@ -10,15 +10,12 @@ from hsextract.commands import record as record_sources
 from hsextract.commands import set_current, sources_of
 from hsextract.config import (
     check_output_root,
-    chunk_count,
-    chunk_sizing,
     demo_data_settings_file,
     dump_dir,
     fingerprint,
     load_config,
     run_dir,
     settings_digest,
-    stage_settings,
     typed,
     where_set,
 )
@@ -36,8 +33,9 @@ from hsextract.server import (
     remove_dump_dir_if_empty,
     stop_live,
 )
-from hsextract.sizing import sizing_report
+from hsextract.sizing import chunk_count, chunk_sizing, sizing_report
 from hsextract.smk import runs_jobs
+from hsextract.stages import stage_settings
 from hsextract.stale import claim_run, preview
 
 # The one way a config is read (hsextract.config.load_config, the CLI's too): the
@@ -200,7 +198,7 @@ def chunk_inputs(wildcards):
     }
 
 
-# What each stage's outputs depend on beyond its input files (config.stage_settings), named
+# What each stage's outputs depend on beyond its input files (stages.stage_settings), named
 # in one of its outputs (and asked for by extract_all): a changed setting is a missing
 # output, so the stage reruns -- from file names alone, with or without Snakemake's
 # metadata (.snakemake/, which the params trigger needs and which a copied run dir, or one

@@ -117,7 +117,7 @@ def test_server_start_outlives_the_shell_that_ran_it_until_server_stop(demo_copy
     `hsextract server stop`."""
     from fixtures_demo import kill_processes_under, poll, processes_under, wait_until_gone
 
-    from hsextract.server import pid_alive
+    from hsextract.procs import pid_alive
 
     wd, rd = demo_copy["workdir"], demo_copy["run_dir"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("HSEXTRACT_OWNER")}

@@ -24,6 +24,7 @@ from hsextract.client import Client, model_geometry
 from hsextract.config import Config, launch_settings, load_config, typed
 from hsextract.errors import ConfigError
 from hsextract.gpu import GpuGateError, gate
+from hsextract.procs import pid_alive
 from hsextract.sglang import versions
 from hsextract.sglang.flags import check_argv, declared_flags
 from hsextract.sglang.launch import build_launch, validate_sglang_config
@@ -266,7 +267,7 @@ def test_ensure_replaces_a_server_that_lost_a_dp_worker(demo_run, tmp_path):
         assert not server.is_serving(state, spec)
         new = server.ensure(spec, tmp_path / "state")
         assert new["pid"] != state["pid"] and dp.workers_alive(new) == (2, 2)
-        assert not server.pid_alive(state["pid"])
+        assert not pid_alive(state["pid"])
     finally:
         server.stop(state)
         if new is not None:

@@ -25,3 +25,74 @@ def test_snakemake_lint_is_clean(tmp_path):
     proc = subprocess.run(snakemake_cmd(workdir, "--lint"), capture_output=True, text=True)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "Lints for" not in out, out[-3000:]
+
+
+def _imports(path, module: str, package: bool) -> set[str]:
+    """Every hsextract module ``path`` imports, at the top or inside a function: a lazy
+    import hides a circle from the interpreter, not from the design."""
+    import ast
+
+    parts = module.split(".") if package else module.split(".")[:-1]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            out |= {base} | {f"{base}.{a.name}" for a in node.names}
+    return {m for m in out if m.startswith("hsextract")}
+
+
+def import_cycles(root) -> list[list[str]]:
+    """The import graph's strongly connected components of more than one module."""
+    mods: dict[str, tuple] = {}
+    for p in sorted(root.rglob("*.py")):
+        rel = p.relative_to(root.parent).with_suffix("").parts
+        name = ".".join(rel[:-1] if rel[-1] == "__init__" else rel)
+        mods[name] = (p, rel[-1] == "__init__")
+    graph = {m: sorted(d for d in _imports(p, m, pkg) if d in mods and d != m)
+             for m, (p, pkg) in mods.items()}  # fmt: skip
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan; the graph is ~70 modules deep at most
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for m in graph:
+        if m not in index:
+            visit(m)
+    return cycles
+
+
+def test_no_import_circles():
+    assert import_cycles(REPO / "src" / "hsextract") == []
+
+
+def test_an_import_circle_is_found(tmp_path):
+    pkg = tmp_path / "hsextract"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from hsextract.b import f\n")
+    (pkg / "b.py").write_text("def f():\n    from hsextract import a\n")
+    (pkg / "c.py").write_text("from hsextract.a import f\n")
+    assert import_cycles(pkg) == [["hsextract.a", "hsextract.b"]]

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from hsextract import server
+from hsextract.procs import pid_alive
 from hsextract.server import ServerError, ServerSpec
 
 # A minimal process that speaks /health and /get_model_info: the lifecycle code must not
@@ -53,7 +54,7 @@ def health_spec(tmp_path: Path) -> ServerSpec:
 def wait_dead(pid: int, timeout: float = 60) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not server.pid_alive(pid):
+        if not pid_alive(pid):
             return True
         time.sleep(0.05)
     return False
@@ -175,7 +176,7 @@ def test_ensure_replaces_a_server_started_with_other_settings(tmp_path, monkeypa
         new = replace(old, settings={"chunked_prefill_size": 64})
         assert old.settings_digest != new.settings_digest
         state = server.ensure(new, state_dir)
-        assert state["pid"] != first["pid"] and not server.pid_alive(first["pid"])
+        assert state["pid"] != first["pid"] and not pid_alive(first["pid"])
         assert state["spec"]["settings"] == {"chunked_prefill_size": 64}
         assert "chunked_prefill_size 257 -> 64" in capsys.readouterr().err
     finally:
@@ -326,7 +327,7 @@ def test_ensure_waits_for_a_starting_server_and_records_when_it_became_healthy(
     first = server.ensure(spec, state_dir, gate=lambda: gates.append(1), wait=False)
     try:
         live = server.read_json(server.live_path(state_dir))
-        assert live["pid"] == first["pid"] and server.pid_alive(first["pid"])
+        assert live["pid"] == first["pid"] and pid_alive(first["pid"])
         assert {"pgid", "watchdog_pid", "url", "started_at", "spec"} <= set(live)
         assert "healthy_at" not in live and gates == [1]
         assert server.starting(live, spec) and not server.is_serving(live, spec)

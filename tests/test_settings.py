@@ -18,12 +18,12 @@ from hsextract.config import (
     read_config,
     run_dir,
     settings_digest,
-    stage_settings,
     typed,
 )
 from hsextract.errors import ConfigError
 from hsextract.export.specforge import settings_file as specforge_settings_file
 from hsextract.settings import GROUPS, SETTINGS, STAGES, kinds_with
+from hsextract.stages import stage_settings
 from tests.fixtures_demo import REPO, planned_jobs, run_snakemake
 
 #: The demo's run dir since before this module existed: declaring the settings moved nothing.

@@ -15,10 +15,16 @@ from fixtures_demo import own_config, planned_jobs, snakemake_cmd
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hsextract.config import chunk_count, chunk_sizing, read_config, typed
+from hsextract.config import read_config, typed
 from hsextract.datasize import cache_dir, count_tokens, input_size
 from hsextract.settings import SETTINGS, kinds_with
-from hsextract.sizing import MAX_CHUNK_TOKENS, MIN_CHUNK_TOKENS, auto_chunks
+from hsextract.sizing import (
+    MAX_CHUNK_TOKENS,
+    MIN_CHUNK_TOKENS,
+    auto_chunks,
+    chunk_count,
+    chunk_sizing,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 PROD = read_config(REPO / "configs" / "qwen3-8b-1xh200.yaml")

@@ -27,6 +27,7 @@ import yaml
 from hsextract.commands import hsextract_command, snakemake_command
 from hsextract.errors import HsextractError
 from hsextract.interrupt import INTERRUPTED_EXIT, interrupted_message
+from hsextract.procs import pid_alive
 
 if TYPE_CHECKING:
     from hsextract.config import Config
@@ -122,7 +123,7 @@ def _server(args: argparse.Namespace) -> int:
         state = server.read_json(server.live_path(state_dir))
         alive = server.is_serving(state, spec)
         loading = server.starting(state, spec) and not alive
-        stale = bool(state) and not alive and not loading and server.pid_alive(state.get("pid"))
+        stale = bool(state) and not alive and not loading and pid_alive(state.get("pid"))
         print(
             json.dumps(
                 {
@@ -223,9 +224,9 @@ def manifest_path(path: Path) -> Path:
 
 def _plan(args: argparse.Namespace) -> int:
     """Which chunks the next run re-extracts, from the current split; touches nothing."""
-    from hsextract.config import chunk_sizing, fingerprint, run_dir
+    from hsextract.config import fingerprint, run_dir
     from hsextract.plan import changed_inputs, chunk_states
-    from hsextract.sizing import sizing_report
+    from hsextract.sizing import chunk_sizing, sizing_report
 
     cfg = _load(args)
     sizing = chunk_sizing(cfg)

@@ -21,20 +21,15 @@ import json
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
 from hsextract.config_types import Config
 from hsextract.convention import CAPTURE_CONVENTION, default_aux_layers, prenorm_layer
-from hsextract.errors import ConfigError
+from hsextract.errors import ConfigError, name_list
 from hsextract.settings import GROUPS, SETTINGS, class_name
-
-if TYPE_CHECKING:
-    from hsextract.sizing import ChunkSizing
-
 
 #: Bump when the capture convention or file layout changes what a run writes.
 FORMAT_VERSION = "1"
@@ -674,12 +669,6 @@ def dump_dir_refusal(path: Path) -> str | None:
     )
 
 
-def name_list(names: list[str], most: int = 5) -> str:
-    """The first few names of a refused directory's contents, for its message."""
-    more = f" and {len(names) - most} more" if len(names) > most else ""
-    return ", ".join(names[:most]) + more
-
-
 def check_dump_dir(cfg: dict) -> None:
     """A configured dump.dir that would hold someone's files is refused at planning."""
     configured = (cfg.get("dump") or {}).get("dir")
@@ -942,72 +931,6 @@ def input_shards(cfg: Config) -> list[str]:
     if cfg.demo.enabled:
         return demo_shards(cfg)
     return [str(p) for p in resolve_inputs(list(cfg.inputs or []))]
-
-
-def stage_settings(cfg: Config) -> dict[str, dict[str, Any]]:
-    """What each stage's outputs depend on beyond its input files, by stage (merge, split,
-    launch, stale, and with the demo demo_data and demo_model): rules/common.smk names each
-    in a settings file, and tests/test_settings.py checks every key's kind against them.
-
-    The merge's shards are stat'ed (one each): a shard changed and then given an older
-    mtime (cp -p, rsync -a, tar x), which Snakemake's newer-than trigger never sees, is a
-    new name, so the merge reruns.  The demo's shards are compared with what demo_data
-    recorded making them (records.identity_as_made).
-    """
-    from hsextract.records import ASSIGNMENT, identity_as_made, input_identity
-
-    demo = asdict(cfg.demo)
-    out: dict[str, dict[str, Any]] = {}
-    if cfg.demo.enabled:
-        out["demo_data"] = {
-            "demo": {k: demo[k] for k in ("seed", "n_records", "n_shards", "vocab_size")},
-            "max_seq_len": cfg.max_seq_len,
-        }
-        out["demo_model"] = {
-            "demo": {k: demo[k] for k in ("seed", "num_hidden_layers", "hidden_size", "vocab_size")}
-        }
-        made_file = Path(demo_data_settings_file(cfg, out["demo_data"]))
-        made = json.loads(made_file.read_text()).get("shards") if made_file.exists() else None
-        inputs: list = identity_as_made(input_shards(cfg), made)
-    else:
-        inputs = input_identity(input_shards(cfg))
-    out["merge"] = {
-        "max_seq_len": cfg.max_seq_len,
-        "overlength": cfg.merge.overlength,
-        "seed": cfg.seed,
-        "inputs": inputs,
-    }
-    out["split"] = {"n_chunks": chunk_count(cfg), "assignment": ASSIGNMENT}
-    out["launch"] = launch_settings(cfg)
-    # A changed stale.* setting reruns delete_stale_states, so that stale.delete_finished:
-    # true deletes what the plan printed at startup says it will.
-    out["stale"] = asdict(cfg.stale)
-    return out
-
-
-def chunk_sizing(cfg: Config, *, write_cache: bool = True) -> ChunkSizing | None:
-    """What ``n_chunks: auto`` resolves to (None for a number): sized from the inputs'
-    tokens (hsextract.datasize, counted once per version of the inputs) and the server's
-    in-flight window (hsextract.sizing).  The demo's shards do not exist before its first
-    job, so its count comes from its recipe (n_records records of up to max_seq_len)."""
-    from hsextract.sizing import auto_chunks
-
-    if cfg.n_chunks != "auto":
-        return None
-    if cfg.demo.enabled:
-        records, tokens = cfg.demo.n_records, cfg.demo.n_records * cfg.max_seq_len
-    else:
-        from hsextract.datasize import input_size
-
-        records, tokens = input_size(cfg, input_shards(cfg), write_cache=write_cache)
-    return auto_chunks(cfg, tokens, records)
-
-
-def chunk_count(cfg: Config, *, write_cache: bool = True) -> int:
-    """How many chunk files the records are split into: ``n_chunks``, or what ``auto``
-    resolves to (:func:`chunk_sizing`).  Every reader of the count asks here."""
-    sizing = chunk_sizing(cfg, write_cache=write_cache)
-    return int(cfg.n_chunks) if sizing is None else sizing.n_chunks
 
 
 def demo_data_settings_file(cfg: Config, values: dict[str, Any]) -> str:

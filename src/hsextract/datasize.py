@@ -19,6 +19,7 @@ from pathlib import Path
 
 import orjson
 
+from hsextract.config import settings_digest
 from hsextract.config_types import Config
 
 
@@ -54,7 +55,6 @@ def count_tokens(files: list[str], max_seq_len: int, overlength: str) -> tuple[i
 
 def input_size(cfg: Config, files: list[str], *, write_cache: bool = True) -> tuple[int, int]:
     """(records, tokens) of ``files`` under ``cfg``'s length policy, cached by identity."""
-    from hsextract.config import settings_digest
     from hsextract.records import input_identity
 
     key = settings_digest(

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import orjson
 
-from hsextract.config import name_list
-from hsextract.errors import ConfigError
+from hsextract.errors import ConfigError, name_list
 
 #: The demo model's max_position_embeddings (see demo_model_config).
 DEMO_MAX_POSITIONS = 16384

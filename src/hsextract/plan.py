@@ -31,9 +31,10 @@ from typing import Any
 
 from hsextract.chunkfile import sha256_file
 from hsextract.commands import snakemake_command
-from hsextract.config import Config, chunk_count
+from hsextract.config import Config
 from hsextract.errors import HsextractError
 from hsextract.records import input_changes, read_index, resolve_inputs
+from hsextract.sizing import chunk_count
 
 
 class PlanError(HsextractError):

@@ -36,6 +36,7 @@ from hsextract.commands import hsextract_command
 from hsextract.config_types import Config
 from hsextract.dp import dp_size, expected_workers, lost_workers
 from hsextract.errors import HsextractError
+from hsextract.procs import pid_alive
 
 OWNER_ENV = "HSEXTRACT_OWNER_PID"
 #: The owner's start time (clock ticks since boot, /proc/<pid>/stat): with the pid, it names
@@ -146,27 +147,6 @@ def refuse_taken_port(host: str, port: int) -> None:
                 f"server ({exc.strerror or exc}): set server.port to another free port, or "
                 "to 0 to pick a free one at each start"
             ) from None
-
-
-def pid_alive(pid: int | str | None) -> bool:
-    try:
-        pid = int(pid)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return False
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie still answers kill(0); treat it as dead.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def host_key() -> str:

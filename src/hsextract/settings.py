@@ -39,7 +39,7 @@ KINDS = (
     "export",
     "neither",
 )
-#: Which settings files (rules/common.smk, config.stage_settings) each kind renames; the
+#: Which settings files (rules/common.smk, stages.stage_settings) each kind renames; the
 #: demo's data and model settings belong to the demo's keys only.
 STAGES = ("merge", "split", "launch", "stale", "demo_data", "demo_model", "specforge")
 

@@ -30,7 +30,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hsextract.config import input_shards
 from hsextract.config_types import Config
+from hsextract.datasize import input_size
 from hsextract.window import InFlight, Lengths, choose, for_run
 
 #: What one DP worker is assumed to prefill, tokens/s: an 8B target on one H200 (32-36k
@@ -134,3 +136,24 @@ def sizing_report(cfg: Config, sizing: ChunkSizing | None) -> list[str]:
     lines = [] if sizing is None else [sizing.describe()]
     lines += [f"  note: {line}" for line in (advice(cfg, sizing) if sizing else [])]
     return [*lines, in_flight(cfg, sizing).describe(cfg.sglang.dp_size)]
+
+
+def chunk_sizing(cfg: Config, *, write_cache: bool = True) -> ChunkSizing | None:
+    """What ``n_chunks: auto`` resolves to (None for a number): sized from the inputs'
+    tokens (hsextract.datasize, counted once per version of the inputs) and the server's
+    in-flight window (hsextract.sizing).  The demo's shards do not exist before its first
+    job, so its count comes from its recipe (n_records records of up to max_seq_len)."""
+    if cfg.n_chunks != "auto":
+        return None
+    if cfg.demo.enabled:
+        records, tokens = cfg.demo.n_records, cfg.demo.n_records * cfg.max_seq_len
+    else:
+        records, tokens = input_size(cfg, input_shards(cfg), write_cache=write_cache)
+    return auto_chunks(cfg, tokens, records)
+
+
+def chunk_count(cfg: Config, *, write_cache: bool = True) -> int:
+    """How many chunk files the records are split into: ``n_chunks``, or what ``auto``
+    resolves to (:func:`chunk_sizing`).  Every reader of the count asks here."""
+    sizing = chunk_sizing(cfg, write_cache=write_cache)
+    return int(cfg.n_chunks) if sizing is None else sizing.n_chunks

@@ -42,6 +42,7 @@ import orjson
 from hsextract.budget import LEDGER_DIR, TURNS_DIR
 from hsextract.config import RUN_MARKER, marker_temp, unsafe_dir
 from hsextract.errors import HsextractError
+from hsextract.procs import pid_alive
 
 __all__ = [
     "RUN_MARKER",
@@ -258,7 +259,7 @@ def active_holders(run_dir: Path, *, exclude_pid: int | None = None) -> list[str
             pid = state.get("pid")
             if lhost != host:
                 found.append(f"a server on host {lhost} (pid {pid}; {entry.path})")
-            elif _pid_alive(pid) and not state.get("failed"):  # a failed one was stopped
+            elif pid_alive(pid) and not state.get("failed"):  # a failed one was stopped
                 found.append(f"a live server (pid {pid})")
     return found
 
@@ -279,12 +280,6 @@ def lock_held(path: str) -> bool:
     finally:
         os.close(fd)  # closing releases a lock we just took
     return False
-
-
-def _pid_alive(pid: Any) -> bool:
-    from hsextract.server import pid_alive
-
-    return pid_alive(pid)
 
 
 # --------------------------------------------------------------------------- safety

@@ -36,8 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from hsextract.commands import snakemake_command
-from hsextract.config import Config, chunk_count
+from hsextract.config import Config
+from hsextract.procs import pid_alive
 from hsextract.server import read_json
+from hsextract.sizing import chunk_count
 from hsextract.smk import JOB_DONE
 
 log = logging.getLogger("hsextract")
@@ -348,7 +350,6 @@ def _progress(hidden: Path, pending: set[str]) -> tuple[list[InFlight], list[InF
     being updated, as interrupted once it stops.  A later attempt of the chunk rewrites
     the file (running again) and removes it when done.
     """
-    from hsextract.server import pid_alive
 
     running, interrupted = [], []
     host = socket.gethostname()
@@ -434,7 +435,7 @@ def _workflow_holders(rd: Path) -> list[str]:
 
 def server_status(cfg: Config, rd: Path, *, timeout_s: float = 2.0) -> ServerStatus:
     """This host's live server: recorded?  pid alive?  ``/health`` within ``timeout_s``?"""
-    from hsextract.server import API_KEY_ENV, health, live_path, pid_alive
+    from hsextract.server import API_KEY_ENV, health, live_path
 
     state_dir = rd / "state"
     path = live_path(state_dir)

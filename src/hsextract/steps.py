@@ -25,6 +25,7 @@ from hsextract.config import (
     run_dir,
     typed,
 )
+from hsextract.procs import pid_alive
 from hsextract.server import write_json
 
 log = logging.getLogger("hsextract")
@@ -416,7 +417,7 @@ def _with_node_cleanup(gate, dump: Path, state_dir: Path):
             return  # a relaunch mid-chunk: the pieces of our finished requests are needed
         for path in Path(state_dir).glob(f"server.{socket.gethostname()}*.live.json"):
             other = server.read_json(path)
-            if other and server.pid_alive(other.get("pid")):
+            if other and pid_alive(other.get("pid")):
                 return
         if not dump.is_dir() or dump.is_symlink() or dump.stat().st_uid != os.getuid():
             return

@@ -42,6 +42,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from hsextract.config import run_dir
 from hsextract.config_types import Config
 from hsextract.errors import ConfigError
 
@@ -194,6 +195,5 @@ def for_run(cfg: Config) -> InFlight:
     """The window of the config's run: from its merged stats where the merge has run.
     Every reader (the launch, the chunk jobs, the preflight, ``hsextract plan``) asks here,
     so they agree."""
-    from hsextract.config import run_dir
 
     return choose(cfg, merged_lengths(run_dir(cfg) / "merged" / "stats.json"))

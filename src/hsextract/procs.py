@@ -1,0 +1,33 @@
+"""Whether a process named in a state file still runs.
+
+Its own module because both the server's lifecycle (hsextract.server) and the stale
+deletion that must spare a live server's files (hsextract.stale) ask, and stale is
+below server.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def pid_alive(pid: int | str | None) -> bool:
+    """Whether a process of this host's pid space runs (a zombie does not): the servers'
+    and watchdogs' state files name a pid, and every owner check asks here."""
+    try:
+        pid = int(pid)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie still answers kill(0); treat it as dead.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
