@@ -39,6 +39,8 @@ rule note_changed_chunks:
         note=run_path("state/changed/{digest}.json"),
     log:
         run_path("logs/note_changed_chunks/{digest}.log"),
+    benchmark:
+        run_path("benchmarks/note_changed_chunks/{digest}.tsv")
     wildcard_constraints:
         digest=r"[0-9a-f]{16}",
     conda:

@@ -96,3 +96,25 @@ def test_an_import_circle_is_found(tmp_path):
     (pkg / "b.py").write_text("def f():\n    from hsextract import a\n")
     (pkg / "c.py").write_text("from hsextract.a import f\n")
     assert import_cycles(pkg) == [["hsextract.a", "hsextract.b"]]
+
+
+def rules_missing_log_or_benchmark(rules_dir) -> list[str]:
+    """Each rule that writes an output without a ``log:`` or a ``benchmark:`` (the
+    snakemake-workflows convention); target rules (inputs only) write nothing to time."""
+    import re
+
+    missing = []
+    for smk in sorted(rules_dir.glob("*.smk")):
+        text = smk.read_text()
+        for m in re.finditer(r"^rule (\w+):\n(.*?)(?=^\S|\Z)", text, re.S | re.M):
+            body = m.group(2)
+            if "    output:" in body:
+                missing += [f"{smk.name}:{m.group(1)} ({k})" for k in ("log:", "benchmark:")
+                            if f"    {k}" not in body]  # fmt: skip
+    return missing
+
+
+def test_every_rule_has_a_log_and_a_benchmark(tmp_path):
+    assert rules_missing_log_or_benchmark(REPO / "rules") == []
+    (tmp_path / "x.smk").write_text("rule a:\n    output:\n        'o'\n    log:\n        'l'\n")
+    assert rules_missing_log_or_benchmark(tmp_path) == ["x.smk:a (benchmark:)"]
