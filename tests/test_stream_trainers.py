@@ -7,6 +7,7 @@ are speculators' and SpecForge's own classes.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import Counter
 from pathlib import Path
@@ -156,6 +157,93 @@ def test_speculators_trains_from_a_run_in_progress_under_a_budget(tmp_path):
     assert producer.peak <= ss.budget_bytes < N_CHUNKS * RECORDS * TOKENS * bpt
     assert at_start < N_CHUNKS and producer.waited  # a run in progress, held by the budget
     assert sorted(acked) == list(range(N_CHUNKS))  # each by the checkpoint covering it
+    deleted = journal.read_lines(run / "stream" / "deleted.jsonl")
+    assert len(deleted) >= N_CHUNKS - 4  # freed by the gate while the run went on
+
+
+def _speculators_on_cpu(monkeypatch) -> None:
+    """The two CPU-only substitutions speculators' Trainer needs (0.9.0 has no knob for
+    either): it moves the model and each batch to ``get_local_rank()`` (the int 0, i.e.
+    cuda:0) and its step timer calls ``torch.accelerator.synchronize()``, which raises
+    without an accelerator.  Here the device is "cpu" and synchronizing does nothing (CPU
+    work is synchronous).  Its autocast("cuda") disables itself on a CPU, with a warning."""
+    import speculators.train.trainer as trainer_mod
+
+    monkeypatch.setattr(trainer_mod, "get_local_rank", lambda: "cpu")
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a, **k: None)
+
+
+def _trainer(run: Path, out: Path, dl, *, resume: bool = False, **config):
+    from speculators.losses import resolve_loss_config
+    from speculators.train.trainer import Trainer, TrainerConfig
+
+    kw = {"ttt_steps": 2, "ttt_step_loss_decay": 1.0,
+          "loss_config": resolve_loss_config("kl_div", "eager")}  # fmt: skip
+    cfg = TrainerConfig(lr=1e-2, num_epochs=1, save_path=str(out), resume_from_checkpoint=resume,
+                        train_call_kwargs=kw, hidden_states_dtype=torch.float32,
+                        **config)  # fmt: skip
+    return Trainer(tiny_eagle3(), cfg, dl)
+
+
+def _shift_small_ids(item: dict) -> dict:
+    """speculators' ``shift_batch``, ids folded into the tiny model's vocabulary."""
+    from speculators.models.eagle3.data import shift_batch
+
+    return shift_batch({**item, "input_ids": item["input_ids"] % V})
+
+
+def test_speculators_own_trainer_trains_from_a_run_in_progress_under_a_budget(
+    tmp_path, monkeypatch
+):
+    """speculators' ``Trainer.run_training`` (its loop, AdamW + linear schedule, its
+    checkpointer) reads a run in progress through ``speculators_loader``, with
+    ``AckOnCheckpoint`` acking after each checkpoint it commits.  CPU-only substitution:
+    :func:`_speculators_on_cpu` (the device it moves tensors to; a no-op synchronize)."""
+    from hsextract.stream.speculators import AckOnCheckpoint, speculators_loader
+
+    _speculators_on_cpu(monkeypatch)
+    run, out = tmp_path / "run", tmp_path / "ckpt"
+    bpt = _bytes_per_token(tmp_path / "scratch")
+    ss = _settings(bpt)
+    producer = Producer(run, ss, bpt)
+    dl = speculators_loader(run, 2 * TOKENS, H, num_target_layers=K, preprocess=_shift_small_ids,
+                            hidden_states_dtype=torch.float32, num_workers=0,
+                            seed=1, timeout_s=60)  # fmt: skip
+    # checkpoint_freq 1 (speculators' default): its own checkpoint only ends the epoch.
+    trainer = _trainer(run, out, dl, checkpoint_freq=1)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    hook = AckOnCheckpoint(run, checkpoint_chunks=ss.checkpoint_chunks)
+    hook.attach(trainer)
+    acks: list[tuple[list[int], int, int]] = []  # (seqs, step, chunks announced then)
+    real_ack = hook._acker.ack
+
+    def checked_ack(seqs, *, pass_, step):
+        # Acked only once the Trainer's checkpoint of this very step is on disk.
+        state = json.loads((out / "0" / "training_state.json").read_text())
+        ours = json.loads((out / "0" / AckOnCheckpoint.STATE).read_text())
+        assert state["global_step"] == ours["global_step"] == step == trainer.global_step
+        assert (out / "0" / "model.safetensors").exists() and pass_ == 1
+        acks.append((list(seqs), step, len(journal.read_state(run / "stream").chunks)))
+        real_ack(seqs, pass_=pass_, step=step)
+
+    hook._acker.ack = checked_ack
+    producer.start()
+    try:
+        trainer.run_training()
+    finally:
+        producer.stop.set()
+        journal.AckWriter(run).ack(list(range(N_CHUNKS)))  # unblock a waiting producer
+        producer.join(60)
+    assert producer.error is None, producer.error
+    # 10 chunks x 4 records of 300 tokens, 2 records a 600-token batch: every record once.
+    assert trainer.global_step == N_CHUNKS * RECORDS // 2
+    after = list(trainer.model.parameters())
+    assert all(torch.isfinite(p).all() for p in after)
+    assert any(not torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    assert sorted(s for seqs, _, _ in acks for s in seqs) == list(range(N_CHUNKS))
+    assert len(acks) >= N_CHUNKS // 2  # checkpoints within the pass, not only at its end
+    assert acks[0][2] < N_CHUNKS and producer.waited  # a run in progress, held by the budget
+    assert producer.peak <= ss.budget_bytes < N_CHUNKS * RECORDS * TOKENS * bpt
     deleted = journal.read_lines(run / "stream" / "deleted.jsonl")
     assert len(deleted) >= N_CHUNKS - 4  # freed by the gate while the run went on
 
