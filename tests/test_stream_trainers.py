@@ -7,6 +7,7 @@ are speculators' and SpecForge's own classes.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import Counter
 from pathlib import Path
@@ -105,59 +106,186 @@ def tiny_eagle3():
     return model
 
 
-def test_speculators_trains_from_a_run_in_progress_under_a_budget(tmp_path):
+def _speculators_on_cpu(monkeypatch) -> None:
+    """The CPU-only substitutions speculators' Trainer needs (0.9.0 has no knob for any):
+    it moves the model and each batch to ``get_local_rank()`` (the int 0, i.e. cuda:0),
+    its step timer calls ``torch.accelerator.synchronize()``, which raises without an
+    accelerator, and its checkpointer loads onto ``get_current_device()`` ("cuda:0"
+    without one).  Here the device is "cpu" and synchronizing does nothing (CPU work is
+    synchronous).  Its autocast("cuda") disables itself on a CPU, with a warning."""
+    import speculators.train.checkpointer as checkpointer_mod
+    import speculators.train.trainer as trainer_mod
+
+    monkeypatch.setattr(trainer_mod, "get_local_rank", lambda: "cpu")
+    monkeypatch.setattr(checkpointer_mod, "get_current_device", lambda: "cpu")
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a, **k: None)
+
+
+def _trainer(run: Path, out: Path, dl, *, resume: bool = False, **config):
     from speculators.losses import resolve_loss_config
+    from speculators.train.trainer import Trainer, TrainerConfig
+
+    kw = {"ttt_steps": 2, "ttt_step_loss_decay": 1.0,
+          "loss_config": resolve_loss_config("kl_div", "eager")}  # fmt: skip
+    cfg = TrainerConfig(lr=1e-2, num_epochs=1, save_path=str(out), resume_from_checkpoint=resume,
+                        train_call_kwargs=kw, hidden_states_dtype=torch.float32,
+                        **config)  # fmt: skip
+    return Trainer(tiny_eagle3(), cfg, dl)
+
+
+def _shift_small_ids(item: dict) -> dict:
+    """speculators' ``shift_batch``, ids folded into the tiny model's vocabulary."""
     from speculators.models.eagle3.data import shift_batch
 
-    from hsextract.stream.speculators import speculators_loader
+    return shift_batch({**item, "input_ids": item["input_ids"] % V})
 
-    run = tmp_path / "run"
+
+def test_speculators_own_trainer_trains_from_a_run_in_progress_under_a_budget(
+    tmp_path, monkeypatch
+):
+    """speculators' ``Trainer.run_training`` (its loop, AdamW + linear schedule, its
+    checkpointer) reads a run in progress through ``speculators_loader``, with
+    ``AckOnCheckpoint`` acking after each checkpoint it commits.  CPU-only substitution:
+    :func:`_speculators_on_cpu` (the device it moves tensors to; a no-op synchronize)."""
+    from hsextract.stream.speculators import AckOnCheckpoint, speculators_loader
+
+    _speculators_on_cpu(monkeypatch)
+    run, out = tmp_path / "run", tmp_path / "ckpt"
     bpt = _bytes_per_token(tmp_path / "scratch")
     ss = _settings(bpt)
     producer = Producer(run, ss, bpt)
-    max_len = 2 * TOKENS  # two records a batch
-    # speculators' loader settings: its CollateFn, a spawned worker, prefetch (1 batch =
-    # half a chunk here, within the 2 chunks the window gives a rank).
-    dl = speculators_loader(run, max_len, H, num_target_layers=K, preprocess=shift_batch,
+    dl = speculators_loader(run, 2 * TOKENS, H, num_target_layers=K, preprocess=_shift_small_ids,
                             hidden_states_dtype=torch.float32, num_workers=1,
                             prefetch_factor=1, seed=1, timeout_s=60)  # fmt: skip
-    sampler = dl.batch_sampler
-    model = tiny_eagle3()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    loss_cfg = resolve_loss_config("kl_div", "eager")
-    acker = journal.AckWriter(run)
-    losses, acked = [], []
+    # speculators' loader settings: its CollateFn, a spawned worker, prefetch (1 batch =
+    # half a chunk here, within the 2 chunks the window gives a rank).
+    # checkpoint_freq 1 (speculators' default): its own checkpoint only ends the epoch.
+    trainer = _trainer(run, out, dl, checkpoint_freq=1)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    hook = AckOnCheckpoint(run, checkpoint_chunks=ss.checkpoint_chunks)
+    hook.attach(trainer)
+    acks: list[tuple[list[int], int, int]] = []  # (seqs, step, chunks announced then)
+    real_ack = hook._acker.ack
+
+    def checked_ack(seqs, *, pass_, step):
+        # Acked only once the Trainer's checkpoint of this very step is on disk.
+        state = json.loads((out / "0" / "training_state.json").read_text())
+        ours = json.loads((out / "0" / AckOnCheckpoint.STATE).read_text())
+        assert state["global_step"] == ours["global_step"] == step == trainer.global_step
+        assert (out / "0" / "model.safetensors").exists() and pass_ == 1
+        acks.append((list(seqs), step, len(journal.read_state(run / "stream").chunks)))
+        real_ack(seqs, pass_=pass_, step=step)
+
+    hook._acker.ack = checked_ack
     producer.start()
     try:
-        for step, batch in enumerate(dl, 1):
-            if step == 1:
-                at_start = len(journal.read_state(run / "stream").chunks)
-            batch["input_ids"] %= V
-            _, loss, _ = model(**batch, ttt_steps=2, ttt_step_loss_decay=1.0,
-                               loss_config=loss_cfg)  # fmt: skip
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(float(loss))
-            producer.sample()
-            if step % 2 == 0:  # a checkpoint every 2 steps, then its ack
-                torch.save(model.state_dict(), tmp_path / "ckpt.pt")
-                seqs = [s for s in sampler.covered_seqs(step) if s not in acked]
-                acker.ack(seqs, step=step)
-                acked += seqs
+        trainer.run_training()
     finally:
         producer.stop.set()
         journal.AckWriter(run).ack(list(range(N_CHUNKS)))  # unblock a waiting producer
         producer.join(60)
     assert producer.error is None, producer.error
-    # 10 chunks x 4 records of 300 tokens, 2 records a batch: every record once.
-    assert step == N_CHUNKS * RECORDS // 2
-    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] != losses[0]
+    # 10 chunks x 4 records of 300 tokens, 2 records a 600-token batch: every record once.
+    assert trainer.global_step == N_CHUNKS * RECORDS // 2
+    after = list(trainer.model.parameters())
+    assert all(torch.isfinite(p).all() for p in after)
+    assert any(not torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    assert sorted(s for seqs, _, _ in acks for s in seqs) == list(range(N_CHUNKS))
+    assert len(acks) >= N_CHUNKS // 2  # checkpoints within the pass, not only at its end
+    assert acks[0][2] < N_CHUNKS and producer.waited  # a run in progress, held by the budget
     assert producer.peak <= ss.budget_bytes < N_CHUNKS * RECORDS * TOKENS * bpt
-    assert at_start < N_CHUNKS and producer.waited  # a run in progress, held by the budget
-    assert sorted(acked) == list(range(N_CHUNKS))  # each by the checkpoint covering it
     deleted = journal.read_lines(run / "stream" / "deleted.jsonl")
     assert len(deleted) >= N_CHUNKS - 4  # freed by the gate while the run went on
+
+
+def test_speculators_own_trainer_resumes_mid_pass_without_the_chunks_it_acked(
+    tmp_path, monkeypatch
+):
+    """speculators' Trainer dies mid-pass; a new one resumes from its last checkpoint
+    (``resume_from_checkpoint``) with the acked chunks deleted, and trains on exactly the
+    records that checkpoint did not cover.  CPU-only substitution: _speculators_on_cpu."""
+    from hsextract.stream.speculators import AckOnCheckpoint, speculators_loader
+
+    _speculators_on_cpu(monkeypatch)
+    run, out, n_chunks, tokens = tmp_path / "run", tmp_path / "ckpt", 6, 30
+    for i in range(n_chunks):
+        announce(run, write_chunk(run, i, RECORDS, tokens=tokens, prenorm=True), n_chunks)
+    fetched: list[tuple[int, tuple[int, int]]] = []  # (global step when read, record)
+
+    def trainer(resume: bool):
+        dl = speculators_loader(run, 2 * tokens, H, num_target_layers=K,
+                                preprocess=_shift_small_ids, hidden_states_dtype=torch.float32,
+                                seed=3, timeout_s=60)  # fmt: skip
+        t = _trainer(run, out, dl, resume=resume, checkpoint_freq=1)
+        read = dl.dataset._get_raw_data
+
+        def spy(key):
+            fetched.append((t.global_step, key))  # num_workers 0: read as the step starts
+            return read(key)
+
+        dl.dataset._get_raw_data = spy
+        AckOnCheckpoint(run, checkpoint_chunks=1).attach(t)
+        return t
+
+    first = trainer(resume=False)
+    step = first._optimizers_step
+
+    def dies_at_step_8() -> None:
+        if first.global_step == 7:
+            raise RuntimeError("killed")
+        step()
+
+    first._optimizers_step = dies_at_step_8
+    with pytest.raises(RuntimeError, match="killed"):
+        first.run_training()
+    saved = json.loads((out / "0" / "training_state.json").read_text())
+    acked = {s for a in journal.read_lines(run / "stream" / "acks.jsonl") for s in a["seqs"]}
+    assert 0 < saved["local_step"] < 7 and 0 < len(acked) < n_chunks
+    for seq in acked:  # deleted, as the workflow does: the resumed trainer must not need them
+        (run / "hidden" / f"chunk_{seq:05d}.safetensors").unlink()
+    done = [k for g, k in fetched if g < saved["global_step"]]
+    fetched.clear()
+    second = trainer(resume=True)
+    second.run_training()
+    again = [k for _, k in fetched]
+    assert Counter(done) + Counter(again) == Counter(
+        (i, j) for i in range(n_chunks) for j in range(RECORDS)
+    )
+    assert second.global_step == n_chunks * RECORDS // 2  # the pass's steps, once each
+    acked = {s for a in journal.read_lines(run / "stream" / "acks.jsonl") for s in a["seqs"]}
+    assert acked == set(range(n_chunks))
+
+
+def test_speculators_trainer_settings_that_cannot_ack_are_refused_in_one_sentence(
+    tmp_path, monkeypatch
+):
+    from torch.utils.data import DataLoader
+
+    from hsextract.stream.speculators import AckOnCheckpoint, speculators_loader
+
+    _speculators_on_cpu(monkeypatch)
+    announce(tmp_path, write_chunk(tmp_path, 0, 2, tokens=4, prenorm=True), 1)
+    dl = speculators_loader(tmp_path, 8, H, num_target_layers=K, timeout_s=60)
+    cases = {
+        "no checkpoint in most epochs": _trainer(tmp_path, tmp_path / "a", dl, checkpoint_freq=2),
+        "only when validation improves": _trainer(tmp_path, tmp_path / "b", dl, save_best=True),
+        "not hsextract.stream.speculators.StreamPackingSampler": _trainer(
+            tmp_path, tmp_path / "c", DataLoader(list(range(4)), batch_size=2)
+        ),
+    }
+    for what, t in cases.items():
+        with pytest.raises(journal.StreamError) as e:
+            AckOnCheckpoint(tmp_path, checkpoint_chunks=1).attach(t)
+        assert what in str(e.value) and "\n" not in str(e.value), what
+    # A checkpoint taken without it: what it covers (maybe deleted) is unknown.
+    (tmp_path / "d" / "0").mkdir(parents=True)
+    t = _trainer(tmp_path, tmp_path / "d", dl)
+    t.checkpointer.save_checkpoint(t.model, t.optimizers, 0)
+    t._save_training_state(0, local_step=1)
+    with pytest.raises(journal.StreamError, match="not taken through AckOnCheckpoint"):
+        AckOnCheckpoint(tmp_path, checkpoint_chunks=1).attach(
+            _trainer(tmp_path, tmp_path / "d", dl, resume=True)
+        )
 
 
 def test_the_packing_sampler_yields_every_record_once_on_every_rank(tmp_path):

@@ -25,10 +25,17 @@ trainer asks in the order the workflow produces:
 - acks: ``sampler.covered_seqs(n)`` are the chunks whose every record is in the first
   ``n`` batches of the pass, i.e. what a checkpoint taken after ``n`` optimizer steps
   covers; rank 0 acks them once that checkpoint is durable.
+- :class:`AckOnCheckpoint` does that for speculators' own ``Trainer``: it acks after each
+  checkpoint the Trainer commits, saves the sampler's state with it, resumes from it, and
+  has the Trainer checkpoint every ``checkpoint_chunks`` chunks (the budget's window)
+  through ``train_epoch``'s ``step_callback``, since the Trainer's own schedule
+  (``checkpoint_freq``) counts steps of a pass whose length is only estimated, and per
+  epoch (the default) it would hold the whole pass unacked.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
@@ -46,7 +53,15 @@ from torch.utils.data import DataLoader, Sampler
 
 from hsextract.chunks import ChunkReader
 from hsextract.config_types import StreamConfig
-from hsextract.stream.journal import JOURNAL, StreamError, read_state, stream_dir
+from hsextract.records import _write_atomic
+from hsextract.stream.journal import (
+    JOURNAL,
+    AckWriter,
+    StreamError,
+    _fsync_dir,
+    read_state,
+    stream_dir,
+)
 from hsextract.stream.reader import StreamDataset, _seed_of, _wait_change, speculators_sample
 
 Key = tuple[int, int]
@@ -211,13 +226,24 @@ class StreamPackingSampler(Sampler[list[Key]]):
                          for b in g.batches[batches - g.start:]],
                 "carry": [[k[0], k[1], n] for k, n in g.carry_out]}  # fmt: skip
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, at: int | None = None) -> None:
         """Resume from :meth:`state_dict`: the next ``__iter__`` yields exactly the batches
-        an uninterrupted pass would have yielded after that point."""
+        an uninterrupted pass would have yielded after that point, or after batch ``at``
+        (>= the state's) if the trainer's checkpoint is later than this state: its
+        batches in between are packed again, not yielded (no chunk they need is acked)."""
+        if at is not None and at < int(state["at"]):
+            raise ValueError(f"at {at} is before the state's batch {state['at']}")
         self.epoch = int(state["epoch"])
-        self._resume = state
+        self._resume = {**state, "skip_to": int(state["at"]) if at is None else at}
 
     def __iter__(self) -> Iterator[list[Key]]:
+        skip_to = 0 if self._resume is None else int(self._resume["skip_to"])
+        for n, batch in self._numbered():
+            if n > skip_to:
+                yield batch
+
+    def _numbered(self) -> Iterator[tuple[int, list[Key]]]:
+        """This rank's batches of the pass, each with its number (1-based, in the pass)."""
         resume, self._resume = self._resume, None
         if resume is not None and int(resume["epoch"]) != self.epoch:
             resume = None  # set_epoch moved on: a new pass starts at its beginning
@@ -234,7 +260,7 @@ class StreamPackingSampler(Sampler[list[Key]]):
             for bt in rest:
                 yielded += 1
                 self._settle(owed, [k for r in bt for k in r], yielded)
-                yield bt[self.rank]
+                yield yielded, bt[self.rank]
         while True:
             lines, _ = self._wait(i)
             if i >= len(lines):
@@ -262,11 +288,11 @@ class StreamPackingSampler(Sampler[list[Key]]):
                 # Recorded before the batch goes out (tagged with its number), so
                 # covered_seqs(n) is complete as soon as the n-th batch was handed out.
                 self._settle(owed, [k for r in bt for k in r], yielded)
-                yield bt[self.rank]
+                yield yielded, bt[self.rank]
         if carry:  # fewer than `world` records: one each, the rest an empty batch
             yielded += 1
             self._settle(owed, [k for k, _ in carry], yielded)
-            yield [carry[self.rank][0]] if self.rank < len(carry) else []
+            yield yielded, [carry[self.rank][0]] if self.rank < len(carry) else []
 
     def _lengths(self, line: dict) -> list[int]:
         """A chunk's record lengths, from its header (the dataset checks its sha256 before
@@ -331,3 +357,159 @@ def speculators_loader(
         multiprocessing_context="spawn" if workers else None,
         worker_init_fn=_worker_init_fn if workers else None,
     )
+
+
+class AckOnCheckpoint:
+    """Acks for speculators' own ``Trainer`` (0.9.0) training from the stream (issue 39,
+    item 4): a chunk is acknowledged only once a checkpoint the Trainer committed covers
+    it, and that checkpoint resumes exactly.  ::
+
+        trainer = Trainer(model, config, speculators_loader(run_dir, ...))
+        AckOnCheckpoint(run_dir, checkpoint_chunks=8).attach(trainer)
+        trainer.run_training()
+
+    ``checkpoint_chunks`` is the workflow's ``stream.checkpoint_chunks``: the budget holds
+    that many covered, unacked chunks, so the Trainer checkpoints (its own
+    ``maybe_save_checkpoint``: model, optimizer, scheduler, ``training_state.json``) as
+    soon as that many are covered, through ``train_epoch``'s ``step_callback``.  Why not
+    its own schedule alone: ``checkpoint_freq`` >= 1 checkpoints once per epoch, so the
+    whole pass would wait unacked (a budget below the pass deadlocks both sides), and
+    ``checkpoint_freq`` < 1 counts steps of ``len(loader)``, an estimate here (the pass is
+    being extracted), taking none in the last quarter interval nor past the estimate.
+    Its own checkpoints still happen and are acked too.
+
+    After each checkpoint of an epoch (not ``interrupted``, which speculators does not
+    resume from) rank 0 checks the Trainer's ``training_state.json`` records this very
+    step, fsyncs the checkpoint's files (speculators does not), writes the sampler's
+    state beside them (:data:`STATE`, temp name + rename) and then acks the chunks it
+    covers with ``pass = epoch + 1``.  On attach, a Trainer resuming mid-epoch loads that
+    state into the sampler (speculators' fast-skip needs the whole epoch's batch list).
+    """
+
+    #: The sampler's state, in the Trainer's checkpoint directory of the epoch.
+    STATE = "hsextract_stream.json"
+
+    def __init__(self, run_dir: str | os.PathLike[str], *, checkpoint_chunks: int) -> None:
+        if checkpoint_chunks < 1:
+            raise ValueError(f"checkpoint_chunks {checkpoint_chunks} must be >= 1")
+        self.run_dir = Path(run_dir)
+        self.checkpoint_chunks = checkpoint_chunks
+        self.acked: list[int] = []  # this epoch's, in ack order (every rank keeps them)
+        self._epoch = 0
+        self._step = 0  # the Trainer's local_step in the epoch
+        self._saved: tuple[int, int] | None = None  # (epoch, local_step) last committed
+
+    def attach(self, trainer: Any) -> None:
+        """Hook into ``trainer`` (before ``run_training``); refuses, in one sentence, a
+        Trainer whose checkpoints could leave chunks unacked for good."""
+        sampler = trainer.train_loader.batch_sampler
+        if not isinstance(sampler, StreamPackingSampler):
+            raise StreamError(
+                f"speculators' Trainer reads with {type(sampler).__name__}, not "
+                "hsextract.stream.speculators.StreamPackingSampler; build its train loader "
+                "with speculators_loader so the chunks it covers are known"
+            )
+        cfg = trainer.config
+        if cfg.save_best:
+            raise StreamError(
+                "speculators' Trainer with save_best checkpoints only when validation "
+                "improves, so chunks it trained on could stay unacked past stream.budget_gb; "
+                "train from the stream with save_best off"
+            )
+        if cfg.checkpoint_freq > 1:
+            raise StreamError(
+                f"speculators' Trainer with checkpoint_freq {cfg.checkpoint_freq:g} saves no "
+                "checkpoint in most epochs, so their chunks could never be acked; use "
+                "checkpoint_freq <= 1 (AckOnCheckpoint adds one every checkpoint_chunks chunks)"
+            )
+        self.trainer, self.sampler = trainer, sampler
+        self._rank = int(trainer.rank)
+        if self._rank == 0:
+            self._acker = AckWriter(self.run_dir)
+        ck = trainer.checkpointer
+        resume_at = int(getattr(trainer, "_resume_local_step", 0))
+        if trainer.resume_from_checkpoint and ck.previous_epoch != -1 and resume_at > 0:
+            self._load(ck.path / str(trainer.current_epoch), resume_at)
+        self._orig_save = trainer.maybe_save_checkpoint
+        self._orig_epoch = trainer.train_epoch
+        # Instance attributes shadow the methods: run_training and train_epoch call these.
+        trainer.maybe_save_checkpoint = self._save
+        trainer.train_epoch = self._train_epoch
+
+    def _load(self, ckpt_dir: Path, at: int) -> None:
+        path = ckpt_dir / self.STATE
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, ValueError):
+            raise StreamError(
+                f"{path} is missing or unreadable: the Trainer's checkpoint at step {at} was "
+                "not taken through AckOnCheckpoint, so which chunks it covers (some may be "
+                "acked and deleted) is unknown; resume from one AckOnCheckpoint wrote"
+            ) from None
+        if int(state["sampler"]["at"]) > at:
+            raise StreamError(
+                f"{path} is of step {state['sampler']['at']}, after the Trainer's checkpoint "
+                f"step {at} in {ckpt_dir}: not the same checkpoint; resume from one "
+                "AckOnCheckpoint wrote"
+            )
+        self.sampler.load_state_dict(state["sampler"], at=at)
+
+    def _train_epoch(self, epoch: int, **kwargs: Any) -> None:
+        t = self.trainer
+        self._epoch = epoch
+        # The Trainer's local_step goes on from the checkpoint it resumed from.
+        resumed = epoch == getattr(t, "current_epoch", epoch)
+        self._step = int(getattr(t, "_resume_local_step", 0)) if resumed else 0
+        self.acked = []
+        theirs = kwargs.pop("step_callback", None)
+
+        def on_step() -> None:
+            self._step += 1
+            if theirs is not None:
+                theirs()
+            covered = self.sampler.covered_seqs(self._step)
+            if len(covered) - len(self.acked) >= self.checkpoint_chunks:
+                t.maybe_save_checkpoint(epoch, local_step=self._step)
+
+        self._orig_epoch(epoch, step_callback=on_step, **kwargs)
+
+    def _save(self, epoch: int | str, local_step: int = 0) -> None:
+        if isinstance(epoch, int) and local_step > 0 and self._saved == (epoch, local_step):
+            return  # this very step was just checkpointed (ours, then the Trainer's own)
+        self._orig_save(epoch, local_step=local_step)
+        if not isinstance(epoch, int):
+            return  # "interrupted": speculators resumes only from an epoch's checkpoint
+        # The end of an epoch (local_step 0) covers what was trained in it: with max_steps
+        # the Trainer stops mid-pass and still calls it the end.
+        steps = local_step if local_step > 0 else self._step
+        new = [s for s in self.sampler.covered_seqs(steps) if s not in self.acked]
+        if self._rank == 0:
+            self._commit(epoch, local_step, steps, new)
+        self.acked += new
+        self._saved = (epoch, local_step)
+
+    def _commit(self, epoch: int, local_step: int, steps: int, new: list[int]) -> None:
+        """Rank 0, after the Trainer saved: make it durable, then ack what it covers."""
+        t = self.trainer
+        ckpt_dir = Path(t.checkpointer.path) / str(epoch)
+        state_path = t._training_state_path(epoch)
+        try:
+            saved = json.loads(state_path.read_text())
+        except (OSError, ValueError):
+            saved = {}
+        if saved.get("local_step") != local_step or saved.get("global_step") != t.global_step:
+            raise StreamError(
+                f"{state_path} does not record step {t.global_step} after speculators' "
+                "Trainer saved its checkpoint there, so no chunk is acked; is its "
+                "checkpointer writing elsewhere?"
+            )
+        for f in sorted(ckpt_dir.iterdir()):
+            if f.is_file() and not f.is_symlink():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        state = {"epoch": epoch, "local_step": local_step, "global_step": t.global_step,
+                 "sampler": self.sampler.state_dict(steps)}  # fmt: skip
+        _write_atomic(ckpt_dir / self.STATE, json.dumps(state).encode())
+        _fsync_dir(ckpt_dir)
+        _fsync_dir(ckpt_dir.parent)
+        self._acker.ack(new, pass_=epoch + 1, step=t.global_step)
