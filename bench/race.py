@@ -450,8 +450,9 @@ def run_bare(work: Path, cfg_path: Path, records: list[dict], in_flight: int,
     tag = f"bare-{name[4:]}" if name.startswith("hsx-dp") else "bare"
     spec = server.build_spec(cfg, run_dir=work / tag, log_path=work / "logs" / f"{tag}.log")
     argv = list(spec.argv)
-    i = argv.index("--forward-hooks")
-    del argv[i : i + 2]
+    if "--forward-hooks" in argv:  # the reference engine has none: no dump dir, no capture
+        i = argv.index("--forward-hooks")
+        del argv[i : i + 2]
     if max_running is not None:
         argv[argv.index("--max-running-requests") + 1] = str(max_running)
     spec.argv = argv
