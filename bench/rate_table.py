@@ -9,7 +9,7 @@ with ``same``), then ``snakemake -j8 extract_all`` (``race.run_hsextract``, with
 (``--csv``; temporary name and rename): the ratio is hsextract's sending-phase tok/s over
 the bare server's (``race.sending_figures``: first request sent to last response, the
 bare server's flood likewise), beside each side's requests/s in that phase, GPU busy (the
-race's ``Sampler``: the contender's whole sampled window) and SGLang's prefill passes with
+race's ``Sampler``, its samples within that phase) and SGLang's prefill passes with
 an empty queue while sending (its log).  A cell already in the CSV is skipped, so a call
 cut short is resumed by the same command; a cell that did not finish writes no row (its
 figures go to ``rate_table.json``).  The CSV is copied to ``$OUT/rate_table.csv`` after
@@ -95,9 +95,9 @@ FIELDS = [
     "records", "tokens", "mean_len", "median_len", "p99_len", "aux_layers", "dp",
     "n_chunks", "hsx_requests_per_turn", "hsx_tokens_per_turn", "max_running_requests",
     "bare_in_flight",
-    "bare_sending_s", "bare_sending_tok_s", "bare_req_s", "bare_gpu_busy_pct",
+    "bare_sending_s", "bare_sending_tok_s", "bare_req_s", "bare_gpu_busy_sending_pct",
     "bare_passes", "bare_passes_queue_empty",
-    "hsx_sending_s", "hsx_sending_tok_s", "hsx_req_s", "hsx_gpu_busy_pct",
+    "hsx_sending_s", "hsx_sending_tok_s", "hsx_req_s", "hsx_gpu_busy_sending_pct",
     "hsx_passes", "hsx_passes_queue_empty",
     "ratio_sending", "bare_tok_s", "hsx_tok_s", "ratio_whole",
 ]  # fmt: skip
@@ -122,9 +122,9 @@ def sglang_version(engine: str) -> str:
     """The SGLang release that served the cell; none for the reference engine."""
     if engine != "sglang":
         return ""
-    from importlib.metadata import version
+    from hsextract.sglang.launch import installed_version
 
-    return version("sglang")
+    return installed_version(sys.executable)  # the workflow's own detection
 
 
 def own_work_dir(work: Path) -> None:
@@ -254,12 +254,12 @@ def run_cell(name: str, cell: Cell, work: Path, seed: int, jobs: int, deadline: 
         "bare_in_flight": window["bare_in_flight"],
         "bare_sending_s": bare["sending_s"], "bare_sending_tok_s": bare["sending_tok_s"],
         "bare_req_s": _per_s(bare["records"], bare["sending_s"]),
-        "bare_gpu_busy_pct": bare.get("gpu_busy_pct"),
+        "bare_gpu_busy_sending_pct": bare.get("gpu_busy_sending_pct"),
         "bare_passes": bs.get("prefill_batches"),
         "bare_passes_queue_empty": bs.get("batches_with_empty_queue"),
         "hsx_sending_s": hsx["sending_s"], "hsx_sending_tok_s": hsx["sending_tok_s"],
         "hsx_req_s": _per_s(hsx["records"], hsx["sending_s"]),
-        "hsx_gpu_busy_pct": hsx.get("gpu_busy_pct"),
+        "hsx_gpu_busy_sending_pct": hsx.get("gpu_busy_sending_pct"),
         "hsx_passes": hs.get("prefill_batches"),
         "hsx_passes_queue_empty": hs.get("batches_with_empty_queue"),
         "ratio_sending": _ratio(hsx["sending_tok_s"], bare["sending_tok_s"]),
@@ -326,7 +326,8 @@ def _num(x: str, digits: int = 0) -> str:
 
 
 def _side(r: dict, p: str) -> str:
-    busy = "–" if r[f"{p}_gpu_busy_pct"] == "" else f"{float(r[f'{p}_gpu_busy_pct']):.0f} %"
+    gpu = r[f"{p}_gpu_busy_sending_pct"]
+    busy = "–" if gpu == "" else f"{float(gpu):.0f} %"
     dry = f"{r[f'{p}_passes_queue_empty']} of {r[f'{p}_passes']}" if r[f"{p}_passes"] else "–"
     return f"{_num(r[f'{p}_sending_tok_s'])} | {_num(r[f'{p}_req_s'])} | {busy} | {dry}"
 
@@ -348,9 +349,9 @@ def render(paths: list[Path]) -> str:
         rel = path.relative_to(REPO) if path.is_relative_to(REPO) else path
         parts.append(
             f"`{rel}`: {said('device')}, SGLang {said('sglang')}, {said('date_utc')}. "
-            "Sending phase (first request sent to last response), the bare server at "
-            "hsextract's window, both in one call; dry = prefill passes with SGLang's "
-            "queue empty while sending.\n\n"
+            "tok/s, req/s and GPU busy over the sending phase (first request sent to last "
+            "response), the bare server at hsextract's window, both in one call; dry = "
+            "prefill passes with SGLang's queue empty while sending.\n\n"
             "| cell | records (mean / p99 tokens) | target | aux layers | dp | window a turn "
             "(requests / tokens) | bare tok/s | bare req/s | bare GPU busy | bare dry | "
             "hsextract tok/s | hsextract req/s | hsextract GPU busy | hsextract dry | "

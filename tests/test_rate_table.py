@@ -105,7 +105,7 @@ def test_quick_cell_row_comes_from_its_run_and_a_second_call_skips_it(tmp_path: 
         assert int(row["bare_in_flight"]) == bare["in_flight"] == same
         assert row["engine"] == "reference" and row["sglang"] == "" and row["dp"] == "1"
         # No GPU, no SGLang log: those figures are blank, not made up.
-        assert row["bare_gpu_busy_pct"] == row["hsx_gpu_busy_pct"] == ""
+        assert row["bare_gpu_busy_sending_pct"] == row["hsx_gpu_busy_sending_pct"] == ""
 
         # Rendered: the cell's bare figure beside hsextract's, and their ratio.
         text = rt.render([table])
