@@ -286,6 +286,8 @@ def read_rows(path: Path) -> list[dict]:
     for i, r in enumerate(rows, 2):  # line 1 is the header
         for key, (a, b) in {"ratio_sending": ("hsx_sending_tok_s", "bare_sending_tok_s"),
                             "ratio_whole": ("hsx_tok_s", "bare_tok_s")}.items():  # fmt: skip
+            if not (r[key] and r[a] and r[b]):
+                raise SystemExit(f"{path} line {i}: {key}, {a} or {b} is empty: re-measure")
             if abs(float(r[key]) - float(r[a]) / float(r[b])) > 1e-4:
                 raise SystemExit(
                     f"{path} line {i}: {key} {r[key]} is not {a} / {b} "
@@ -328,7 +330,8 @@ def _num(x: str, digits: int = 0) -> str:
 def _side(r: dict, p: str) -> str:
     gpu = r[f"{p}_gpu_busy_sending_pct"]
     busy = "–" if gpu == "" else f"{float(gpu):.0f} %"
-    dry = f"{r[f'{p}_passes_queue_empty']} of {r[f'{p}_passes']}" if r[f"{p}_passes"] else "–"
+    passes = r[f"{p}_passes"]  # none on the reference engine, which logs no prefill passes
+    dry = f"{r[f'{p}_passes_queue_empty']} of {passes}" if passes not in ("", "0") else "–"
     return f"{_num(r[f'{p}_sending_tok_s'])} | {_num(r[f'{p}_req_s'])} | {busy} | {dry}"
 
 
