@@ -195,6 +195,7 @@ class Sampler:
         self.base_shm = self._shm()
         self.peak = {"shm": 0, "ram": 0, "rss": 0}
         self.gpu_busy: list[int] = []
+        self.gpu_at: list[float] = []  # each sample's wall clock: busy within a phase
         self.cpu_busy: list[float] = []
         psutil.cpu_percent()
         self._stop = threading.Event()
@@ -242,6 +243,7 @@ class Sampler:
             if self._nvml:
                 nv, h = self._nvml
                 self.gpu_busy.append(nv.nvmlDeviceGetUtilizationRates(h).gpu)
+                self.gpu_at.append(time.time())
             k += 1
 
     def __enter__(self) -> Sampler:
@@ -251,6 +253,12 @@ class Sampler:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._t.join()
+
+    def busy_between(self, t0: float, t1: float) -> float | None:
+        """GPU busy (%) over the samples taken in [t0, t1] (wall clock): the sending
+        phase's own, where the whole window's figure also holds the load and the tail."""
+        xs = [b for t, b in zip(self.gpu_at, self.gpu_busy, strict=True) if t0 <= t <= t1]
+        return round(statistics.mean(xs), 1) if xs else None
 
     def report(self) -> dict:
         return {
@@ -450,8 +458,9 @@ def run_bare(work: Path, cfg_path: Path, records: list[dict], in_flight: int,
     tag = f"bare-{name[4:]}" if name.startswith("hsx-dp") else "bare"
     spec = server.build_spec(cfg, run_dir=work / tag, log_path=work / "logs" / f"{tag}.log")
     argv = list(spec.argv)
-    i = argv.index("--forward-hooks")
-    del argv[i : i + 2]
+    if "--forward-hooks" in argv:  # the reference engine has none: no dump dir, no capture
+        i = argv.index("--forward-hooks")
+        del argv[i : i + 2]
     if max_running is not None:
         argv[argv.index("--max-running-requests") + 1] = str(max_running)
     spec.argv = argv
@@ -485,6 +494,7 @@ def run_bare(work: Path, cfg_path: Path, records: list[dict], in_flight: int,
             with ThreadPoolExecutor(in_flight) as pool:
                 list(pool.map(gen, records))
             flood_s = time.monotonic() - t
+            flood_end = time.time()
             dt = time.monotonic() - t0
     finally:
         server.stop(state)
@@ -498,6 +508,7 @@ def run_bare(work: Path, cfg_path: Path, records: list[dict], in_flight: int,
         "tok_s_after_warmup": round(tokens / flood_s),
         # The sending phase: the first record's request sent to the last response.
         "sending_s": round(flood_s, 2), "sending_tok_s": round(tokens / flood_s),
+        "gpu_busy_sending_pct": smp.busy_between(flood_at, flood_end),
         "bytes_per_token": 0, **smp.report(),
         "server": server_log_figures(work / "logs" / f"{tag}.log", since),
         "server_sending": server_log_figures(work / "logs" / f"{tag}.log", flood_at),
@@ -669,6 +680,8 @@ def run_hsextract(work: Path, cfg_path: Path, jobs: int, tokens: int, timeout_s:
 
         turns = yaml.safe_load(cfg_path.read_text())["client"]["sending_jobs"]
         out.update(sending_figures(sidecars, jobs_n=jobs, n_turns=turns))
+        first = out["first_sent_at"]
+        out["gpu_busy_sending_pct"] = smp.busy_between(first, first + out["sending_s"])
         out["server_sending"] = server_log_figures(run / "logs" / "server.log",
                                                    out["first_sent_at"])  # fmt: skip
     man = run / "manifest.json"
