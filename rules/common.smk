@@ -23,6 +23,7 @@ from hsextract.config import demo_shards as config_demo_shards
 from hsextract.config import input_shards as config_input_shards
 from hsextract.dp import server_gpu_count
 from hsextract.errors import ConfigError
+from hsextract.export.common import ExportError, refuse_deleted_after_ack
 from hsextract.server import (
     OWNER_ENV,
     OWNER_SCOPE_ENV,
@@ -293,6 +294,31 @@ def stop_servers():
     remove_dump_dir_if_empty(dump_dir(CFG))
 
 
+@functools.cache
+def deleted_after_ack_refusal():
+    """Why no export may plan (chunk files the stream deleted after the trainer's ack:
+    an export would re-extract them), or None; once per process, not once per chunk."""
+    try:
+        refuse_deleted_after_ack(RUN)
+    except ExportError as exc:
+        return str(exc)
+    return None
+
+
+def export_chunk_files(wildcards):
+    """The chunk files an export reads (one per chunk job, or all for its target); the
+    plan ends here with deleted_after_ack_refusal's sentence, so `snakemake -n` says it
+    rather than planning a re-extraction or failing on a missing input (no rule makes a
+    chunk file under a budget)."""
+    why = deleted_after_ack_refusal()
+    if why is not None:  # one sentence, as refuse_unwritable_output_root ends a plan
+        print(f"hsextract: error: {why}", file=sys.stderr)
+        raise SystemExit(1)
+    if "chunk" in wildcards.keys():
+        return run_path("hidden/chunk_{chunk}.safetensors".format(**wildcards))
+    return expand(run_path("hidden/chunk_{chunk}.safetensors"), chunk=CHUNK_IDS)
+
+
 def speculators_prenorm(wildcards):
     """export_speculators_chunk's chunk file, or a plan-time error without prenorm_final."""
     if not CFG.prenorm_final:
@@ -300,4 +326,4 @@ def speculators_prenorm(wildcards):
             "export_speculators needs the pre-norm final state: set prenorm_final: true "
             "(a new run dir; the current one is kept) and run the target again"
         )
-    return run_path("hidden/chunk_{chunk}.safetensors".format(**wildcards))
+    return export_chunk_files(wildcards)

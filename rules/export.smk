@@ -34,7 +34,7 @@ rule export_specforge_settings:
 
 rule export_specforge_chunk:
     input:
-        hidden=run_path("hidden/chunk_{chunk}.safetensors"),
+        hidden=export_chunk_files,
         sidecar=run_path("hidden/chunk_{chunk}.json"),
         index=run_path("chunks/index.json"),
         settings=SPECFORGE_SETTINGS,
@@ -76,7 +76,7 @@ rule export_specforge:
     input:
         summary=run_path("export/specforge/export.json"),
         done=expand(run_path("export/specforge/done/chunk_{chunk}.json"), chunk=CHUNK_IDS),
-        hidden=expand(run_path("hidden/chunk_{chunk}.safetensors"), chunk=CHUNK_IDS),
+        hidden=export_chunk_files,
         settings=[*settings_files(), SPECFORGE_SETTINGS],
 
 
@@ -145,5 +145,5 @@ rule export_speculators:
     input:
         summary=run_path("export/speculators/export.json"),
         done=expand(run_path("export/speculators/done/chunk_{chunk}.json"), chunk=CHUNK_IDS),
-        hidden=expand(run_path("hidden/chunk_{chunk}.safetensors"), chunk=CHUNK_IDS),
+        hidden=export_chunk_files,
         settings=settings_files(),

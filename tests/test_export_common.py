@@ -76,3 +76,40 @@ def test_claim_takes_a_new_or_empty_directory_then_only_that_run_and_format(tmp_
         claim_dir(out, "fmt", "fp2", tmp_path, "reads")
     with pytest.raises(ExportError, match="not the other export of fp1"):
         claim_dir(out, "other", "fp1", tmp_path, "reads")
+
+
+def test_a_run_whose_chunk_files_were_deleted_after_the_ack_is_not_exported(tmp_path):
+    """Streamed under a budget, two chunk files deleted after the trainer's ack (by the
+    stream's own deletion): both exports refuse before writing anything, in one sentence
+    naming the run, how many and what to do; one deleted and re-extracted since is none."""
+    from hsextract.chunkfile import sha256_file
+    from hsextract.export import specforge, speculators
+    from hsextract.export.common import ExportError
+    from hsextract.stream import gate, journal
+
+    run = tmp_path / "run"
+    (run / "hidden").mkdir(parents=True)
+    for i in range(3):
+        p = run / "hidden" / f"chunk_{i:05d}.safetensors"
+        p.write_bytes(bytes([i]) * 64)
+        journal.announce(run, chunk=p.stem, path=f"hidden/{p.name}", sha256=sha256_file(p),
+                         records=1, tokens=1, content_digest=f"d{i}", n_chunks=3)  # fmt: skip
+    journal.AckWriter(run).ack([0, 1, 2])
+    st = journal.read_state(run / "stream")
+    assert len(gate.delete_acked(run, st, 1)) == 3
+    (run / "hidden" / "chunk_00002.safetensors").write_bytes(bytes([2]) * 64)  # re-extracted
+    manifest = run / "manifest.json"
+    manifest.write_text(json.dumps({"fingerprint": "fp", "totals": {"records": 3}, "chunks": [
+        {"chunk": f"chunk_{i:05d}", "path": f"hidden/chunk_{i:05d}.safetensors",
+         "sha256": "0" * 64} for i in range(3)]}))  # fmt: skip
+    for fmt in (specforge, speculators):
+        out = tmp_path / f"export_{fmt.FORMAT}"
+        with pytest.raises(ExportError) as err:
+            fmt.export_run(manifest, out)
+        msg = str(err.value)
+        assert msg.startswith(
+            f"{run}: 2 chunk file(s) (chunk_00000, chunk_00001) were deleted after the "
+            "trainer's ack"
+        ), msg
+        assert "stream.budget_gb: null" in msg and "extract_all" in msg and "\n" not in msg
+        assert not out.exists()  # refused before anything was written

@@ -7,6 +7,7 @@ the workflow end to end is tests/test_stream_e2e.py.
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing as mp
 import os
 import subprocess
@@ -586,6 +587,132 @@ def test_a_chunk_whose_bytes_changed_is_nacked_not_trained_on(tmp_path):
     assert set(got) == {0}
     nacks = journal.read_state(tmp_path / "stream").nacked
     assert list(nacks) == [1] and nacks[1]["sha256_expected"] == sides[1]["sha256"]
+
+
+def nack_lines(run_dir: Path) -> list[dict]:
+    return [a for a in journal.read_lines(run_dir / "stream" / "acks.jsonl") if a["type"] == "nack"]
+
+
+def corrupt(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def consume_in_thread(it, got: list, errors: list) -> threading.Thread:
+    """Iterate ``it`` on a thread into ``got``; an exception lands in ``errors``."""
+
+    def run():
+        try:
+            got.extend(it)
+        except Exception as exc:  # noqa: BLE001 -- the test asserts on it
+            errors.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_nacked_chunk_is_waited_for_and_read_once_from_its_redo(tmp_path):
+    """Bytes changed under the reader mid-pass: it nacks and waits (loader workers, a bare
+    dataset, and one resumed from that one's state while it waited) for the redo, a new
+    revision announced by the real journal code, and yields its records once."""
+    sizes = [3, 4, 2]
+    sides = [write_chunk(tmp_path, i, n) for i, n in enumerate(sizes)]
+    for s in sides[:2]:
+        announce(tmp_path, s, 3)  # the pass goes on: chunk 2 is still to come
+    corrupt(tmp_path / sides[1]["path"])
+    got: dict[str, list] = {"workers": [], "bare": [], "resumed": []}
+    errors: list[Exception] = []
+    threads = []
+    try:
+        it = iter(loader(StreamDataset(tmp_path, world=1, seed=2, timeout_s=60)))  # forks here
+        threads.append(consume_in_thread(it, got["workers"], errors))
+        bare = StreamDataset(tmp_path, world=1, seed=2, timeout_s=60)
+        threads.append(consume_in_thread(iter(bare), got["bare"], errors))
+
+        def three_nacks():  # both workers' and the bare reader's
+            return len(nack_lines(tmp_path)) >= 3 or bool(errors)
+
+        wait_for(three_nacks)
+        state = bare.state_dict()  # a checkpoint taken while it waits for the redo
+        assert state == {"pass": 1, "slot": 1, "pos": 0, "pad": 0}
+        resumed = StreamDataset(tmp_path, world=1, seed=2, timeout_s=60)
+        resumed.load_state_dict(state)
+        threads.append(consume_in_thread(iter(resumed), got["resumed"], errors))
+
+        def four_nacks():
+            return len(nack_lines(tmp_path)) >= 4 or bool(errors)
+
+        wait_for(four_nacks)
+        assert not errors, errors
+        # The redo: other bytes (4 tokens a record: a non-deterministic engine), the same
+        # records, announced as revision 1 of seq 1; then the pass's last chunk.
+        redo = write_chunk(tmp_path, 1, 4, tokens=4)
+        assert announce(tmp_path, redo, 3) == (1, True)
+        announce(tmp_path, sides[2], 3)
+    finally:
+        for t in threads:
+            t.join(60)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads)
+    want = Counter(f"r{i}-{j}" for i, n in enumerate(sizes) for j in range(n))
+    for name in ("workers", "bare"):
+        assert Counter(ids_of(got[name])) == want, name
+    for s in got["workers"] + got["bare"] + got["resumed"]:
+        if s["seq"] == 1:  # from the new revision only
+            assert s["input_ids"].shape == (4,)
+    assert ids_of(got["resumed"]) == ids_of(got["bare"])[3:]  # exactly the rest
+    revs = [ln["rev"] for ln in journal_lines(tmp_path) if ln.get("seq") == 1]
+    assert revs == [0, 1]
+    assert {(a["seq"], a["rev"]) for a in nack_lines(tmp_path)} == {(1, 0)}
+
+
+class _Said(logging.Handler):
+    """Sets ``event`` when a record's message contains ``text``."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text, self.event = text, threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.event.set()
+
+
+def test_after_its_pass_a_nack_stops_unless_a_plan_took_it_up(tmp_path):
+    """The pass has ended: nothing redoes the chunk, so the reader stops at once naming
+    what to run; resumed after the plan of that run removed the payload for its redo, it
+    waits for the redo instead, and reads it."""
+    from hsextract.stream.receipts import redo_nacked
+
+    sides = make_run(tmp_path, [2, 2])
+    corrupt(tmp_path / sides[1]["path"])
+    first = StreamDataset(tmp_path, world=1, timeout_s=60)
+    got: list = []
+    with pytest.raises(
+        journal.StreamError, match="nothing will redo it.*snakemake -j1 extract_all"
+    ):
+        for s in first:
+            got.append(s)
+    state = first.state_dict()
+    assert redo_nacked(tmp_path) == [sides[1]["path"]]  # the next extract_all's plan
+    said = _Said("waiting for its redo")
+    logging.getLogger("hsextract").addHandler(said)
+    errors: list[Exception] = []
+    t = None
+    try:
+        resumed = StreamDataset(tmp_path, world=1, timeout_s=60)
+        resumed.load_state_dict(state)
+        t = consume_in_thread(iter(resumed), got, errors)
+        assert said.event.wait(60) and not errors, errors
+        announce(tmp_path, write_chunk(tmp_path, 1, 2), 2)  # its redo: revision 1
+    finally:
+        if t is not None:
+            t.join(60)
+        logging.getLogger("hsextract").removeHandler(said)
+    assert not errors and t is not None and not t.is_alive(), errors
+    assert Counter(ids_of(got)) == Counter(f"r{i}-{j}" for i in range(2) for j in range(2))
 
 
 def test_the_trainers_layouts(tmp_path):

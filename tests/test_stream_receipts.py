@@ -170,6 +170,18 @@ def test_acked_deleted_chunks_are_done_and_a_payload_lost_before_its_ack_is_redo
         assert verify.returncode == 0, verify.stdout + verify.stderr
         assert "2 chunk(s) deleted after the trainer's ack" in verify.stdout
 
+        # An export would have to re-extract them: refused before anything, in one
+        # sentence, by the plan of either export target and by the CLI.
+        said = "2 chunk file(s) (chunk_00000, chunk_00001) were deleted after the trainer's ack"
+        for target in ("export_specforge", "export_speculators"):
+            dry = run_snakemake(wd, "-n", target, check=False)
+            assert dry.returncode != 0 and f"hsextract: error: {rd.relative_to(wd)}: {said}" in (
+                dry.stderr
+            ), dry.stdout[-2000:] + dry.stderr[-3000:]
+        cli = hsextract(wd, "export", "specforge", "--manifest", str(rd / "manifest.json"))
+        assert cli.returncode != 0 and said in cli.stderr, cli.stderr[-2000:]
+        assert not (rd / "export").exists()
+
         # A payload gone before its ack (seq 2, announced, not acked): planned and redone,
         # announced once.
         (rd / "hidden" / "chunk_00002.safetensors").unlink()
@@ -200,6 +212,12 @@ def test_a_nacked_chunk_is_redone_as_a_new_revision_the_reader_accepts(tmp_path)
     try:
         run_snakemake(wd, "-j1", "extract_all")
         want = all_ids(rd)
+        # Under a budget, every chunk file still on disk (nothing acked): exports as always.
+        dry = planned_jobs(run_snakemake(wd, "-n", "export_specforge").stdout)
+        assert dry.get("export_specforge_chunk") == 4, dry
+        cli = hsextract(wd, "export", "specforge", "--manifest", str(rd / "manifest.json"))
+        assert cli.returncode == 0, cli.stdout + cli.stderr
+        assert f"{sum(want.values())} records" in cli.stdout
         # Chunk 1's bytes rot on disk, its mtime unchanged: only the trainer's sha256 check
         # (its nack) can tell.
         p = rd / "hidden" / "chunk_00001.safetensors"

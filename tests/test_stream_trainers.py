@@ -16,7 +16,17 @@ import pytest
 import torch
 
 from hsextract.stream import gate, journal
-from tests.test_stream import H, K, announce, write_chunk
+from hsextract.stream.receipts import redo_nacked
+from tests.test_stream import (
+    H,
+    K,
+    announce,
+    consume_in_thread,
+    corrupt,
+    nack_lines,
+    wait_for,
+    write_chunk,
+)
 
 N_CHUNKS, RECORDS, TOKENS = 10, 4, 300
 V = 64  # the tiny models' vocabulary: write_chunk's ids (chunk x 1000 + record) mod V
@@ -312,6 +322,37 @@ def test_the_packing_sampler_yields_every_record_once_on_every_rank(tmp_path):
     assert 0 < len(s.covered_seqs(len(batches) - 1)) < 4  # some, not all, before the end
     # len(): an estimate from the tokens (no chunks/index.json here: those announced).
     assert len(s) == -(-sum(n * (2 + i) for i, n in enumerate(sizes)) // 8)
+
+
+def test_the_packing_sampler_waits_for_the_redo_of_a_nacked_chunk(tmp_path):
+    """A chunk whose bytes changed before the sampler read its lengths mid-pass: nacked,
+    and its redo waited for and packed (every record once), as the dataset does."""
+    from hsextract.stream.speculators import StreamPackingSampler
+
+    sizes = [3, 4, 2]
+    sides = [write_chunk(tmp_path, i, n, prenorm=True) for i, n in enumerate(sizes)]
+    for s in sides[:2]:
+        announce(tmp_path, s, len(sizes))
+    corrupt(tmp_path / sides[1]["path"])
+    got: list = []
+    errors: list[Exception] = []
+    t = consume_in_thread(iter(StreamPackingSampler(tmp_path, 8, timeout_s=60)), got, errors)
+    try:
+
+        def nacked():
+            return bool(nack_lines(tmp_path) or errors)
+
+        wait_for(nacked)
+        assert not errors, errors
+        # The plan of the next extract_all removes it; its redo is announced as revision 1.
+        assert redo_nacked(tmp_path) == [sides[1]["path"]]
+        assert announce(tmp_path, write_chunk(tmp_path, 1, 4, prenorm=True), 3) == (1, True)
+        announce(tmp_path, sides[2], len(sizes))
+    finally:
+        t.join(60)
+    assert not errors and not t.is_alive(), errors
+    keys = Counter(k for b in got for k in b)
+    assert keys == Counter((i, j) for i, n in enumerate(sizes) for j in range(n))
 
 
 def test_speculators_own_random_sampler_is_refused_in_one_sentence(tmp_path):

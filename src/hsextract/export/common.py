@@ -41,6 +41,31 @@ def read_json(path: Path, what: str, fix: str) -> dict:
         raise ExportError(f"{what}: {path} is unreadable ({exc}); {fix}") from exc
 
 
+def refuse_deleted_after_ack(run_dir: str | os.PathLike[str]) -> None:
+    """Refuse, before anything is written, to export a run whose chunk files the stream
+    deleted after the trainer's ack (``stream.budget_gb``; their sidecars are receipts).
+
+    An export reads every chunk file: it could only re-extract those, which nobody asked
+    for and which the budget was set to keep off the disk.  The CLI and the export rules'
+    inputs (``export_chunk_files`` in rules/common.smk: ``snakemake -n`` ends with it)
+    call this; a run whose chunk files are all still on disk exports as any run does.
+    """
+    from hsextract.stream.receipts import deleted_after_ack
+
+    gone = sorted(deleted_after_ack(run_dir))
+    if gone:
+        named = ", ".join(gone[:3]) + (", ..." if len(gone) > 3 else "")
+        raise ExportError(
+            f"{run_dir}: {len(gone)} chunk file(s) ({named}) were deleted after the "
+            "trainer's ack (the run was streamed under stream.budget_gb), so an export "
+            "would have to re-extract them: read the run as a stream instead "
+            "(hsextract.stream: StreamDataset, SpecForgeStreamDataset, speculators_loader), "
+            "or set stream.budget_gb: null and rerun "
+            f"`{snakemake_command('extract_all', run_dir=run_dir)}` (it re-extracts them; the "
+            "disk must then hold the whole run) before exporting"
+        )
+
+
 @lru_cache(maxsize=4)
 def _line_starts(train: Path, size: int, mtime_ns: int) -> np.ndarray:
     data = np.fromfile(train, dtype=np.uint8)

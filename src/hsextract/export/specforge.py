@@ -55,6 +55,7 @@ from hsextract.export.common import (
     open_chunk,
     read_json,
     read_record,
+    refuse_deleted_after_ack,
     start_hash,
     verify_source,
 )
@@ -535,6 +536,7 @@ def export_run(
     mpath = Path(manifest)
     man = read_json(mpath, "export", f"run `{extract_all(mpath)}` first")
     run_dir = mpath.parent
+    refuse_deleted_after_ack(run_dir)
     out = Path(out) if out is not None else default_out(run_dir)
     check_chunks(run_dir, man)
     prepare(out, run_dir, str(man.get("fingerprint")), gzip)

@@ -48,6 +48,7 @@ from hsextract.export.common import (
     open_chunk,
     read_json,
     read_record,
+    refuse_deleted_after_ack,
     start_hash,
     verify_source,
 )
@@ -285,6 +286,7 @@ def export_run(manifest: str | os.PathLike[str], out: str | os.PathLike[str] | N
     manifest = Path(manifest)
     man = read_json(manifest, "export", f"run `{extract_all(manifest)}` first")
     run_dir = manifest.parent
+    refuse_deleted_after_ack(run_dir)
     out = Path(out) if out is not None else default_out(run_dir)
     fp = str(man.get("fingerprint"))
     claim_dir(out, FORMAT, fp, run_dir, READS)

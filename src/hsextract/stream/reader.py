@@ -20,6 +20,7 @@ processes and replays exactly what it had prefetched but not handed out.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import random
 import time
@@ -32,10 +33,13 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from hsextract.chunkfile import ChunkFileError, sha256_file
 from hsextract.chunks import ChunkReader
+from hsextract.commands import snakemake_command
 from hsextract.config_types import StreamConfig
 from hsextract.stream.journal import JOURNAL, AckWriter, StreamError, read_state, stream_dir
 
 LAYOUTS = ("raw", "specforge", "speculators")
+
+log = logging.getLogger("hsextract")
 
 
 def assign(lines: list[dict], world: int) -> list[list[int]]:
@@ -129,27 +133,9 @@ class StreamDataset(IterableDataset):
                 )
             seen = _wait_change(self.sdir / JOURNAL, seen, self.poll_s)
 
-    def _open(self, line: dict) -> ChunkReader:
-        path = self.run_dir / line["path"]
-        try:
-            seen = sha256_file(path)
-        except FileNotFoundError:
-            raise StreamError(
-                f"{line['chunk']} (seq {line['seq']}) is announced but {path} is gone: it was "
-                "deleted before this trainer's checkpoint acknowledged it (another trainer "
-                "acked it, or a user removed it); resume from a checkpoint that still has it"
-            ) from None
-        if seen != line["sha256"]:
-            AckWriter(self.run_dir).nack(line["seq"], line["sha256"], seen, int(line.get("rev", 0)))
-            raise StreamError(
-                f"{line['chunk']} (seq {line['seq']}): {path} has sha256 {seen[:12]}..., the "
-                f"journal announced {line['sha256'][:12]}...: nacked, not trained on; the next "
-                "extract_all redoes it (a new revision), then resume from your checkpoint"
-            )
-        try:
-            return ChunkReader(path)
-        except ChunkFileError as exc:
-            raise StreamError(f"{line['chunk']} (seq {line['seq']}): {exc}") from exc
+    def _open(self, line: dict) -> tuple[ChunkReader, dict]:
+        return open_checked(self.run_dir, line, who=f"rank {self.rank}", poll_s=self.poll_s,
+                            timeout_s=self.timeout_s)  # fmt: skip
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
@@ -164,7 +150,9 @@ class StreamDataset(IterableDataset):
             order = list(range(int(line["records"])))
             random.Random(_seed_of(self.seed, self.pass_, line["seq"])).shuffle(order)
             share = order[wid::nw]
-            reader = self._open(line) if self._pos["pos"] < len(share) else None
+            reader = None
+            if self._pos["pos"] < len(share):
+                reader, line = self._open(line)  # the revision whose bytes were checked
             while self._pos["pos"] < len(share):
                 j = share[self._pos["pos"]]
                 self._pos["pos"] += 1
@@ -237,6 +225,120 @@ def speculators_sample(rec: dict[str, Any], chunk: str) -> dict[str, torch.Tenso
         "lengths": torch.tensor([t], dtype=torch.long),
         "position_ids": torch.arange(t, dtype=torch.long),
     }
+
+
+def open_checked(
+    run_dir: str | os.PathLike[str],
+    line: dict,
+    *,
+    who: str = "rank 0",
+    poll_s: float = 0.05,
+    timeout_s: float | None = None,
+) -> tuple[ChunkReader, dict]:
+    """The chunk ``line`` announces, opened once its bytes hash to the journal's sha256,
+    and the journal line of the revision read (the latest of its seq).
+
+    A mismatch appends a ``nack`` and waits, following the journal as the reader waits for
+    new chunks (``poll_s``, ``timeout_s``), for the newer revision that answers it, and
+    checks that.  Why wait rather than stop: the redo comes from the next ``extract_all``
+    (its plan removes the nacked payload and redoes the chunk) and holds the same records,
+    so a trainer that waits loses nothing, and need not be restarted.  But nothing redoes
+    it once its pass has ended (no chunk job of it is left) unless a plan has taken the
+    nack up (``deleted.jsonl``: ``why: nack`` of that revision): then it stops at once, in
+    one sentence saying what to run.  ``who`` names the waiter in the timeout's sentence.
+    """
+    run_dir = Path(run_dir)
+    sdir = stream_dir(run_dir)
+    seq = int(line["seq"])
+    while True:
+        line = read_state(sdir).chunks.get(seq, line)  # a redo announced meanwhile: its line
+        path = run_dir / line["path"]
+        try:
+            seen: str | None = sha256_file(path)
+        except FileNotFoundError:
+            if not read_state(sdir).nack_open(seq):
+                raise StreamError(
+                    f"{line['chunk']} (seq {seq}) is announced but {path} is gone: it was "
+                    "deleted before this trainer's checkpoint acknowledged it (another "
+                    "trainer acked it, or a user removed it); resume from a checkpoint that "
+                    "still has it"
+                ) from None
+            seen = None  # nacked, and removed for its redo by the plan
+        if seen == line["sha256"]:
+            try:  # its bytes were just hashed against the journal: no second hash
+                return ChunkReader(path, verify=False), line
+            except ChunkFileError as exc:
+                raise StreamError(f"{line['chunk']} (seq {seq}): {exc}") from exc
+        if seen is not None:
+            AckWriter(run_dir).nack(seq, line["sha256"], seen, int(line.get("rev", 0)))
+        line = _await_redo(run_dir, line, seen, who=who, poll_s=poll_s, timeout_s=timeout_s)
+
+
+def _await_redo(
+    run_dir: Path,
+    line: dict,
+    seen: str | None,
+    *,
+    who: str,
+    poll_s: float,
+    timeout_s: float | None,
+) -> dict:
+    """The journal line that answers the nack of ``line`` (a newer revision of its seq),
+    or ``line`` itself once its file hashes to the announced sha256 again (a payload
+    restored: the plan keeps it and redoes nothing).  Raises when nothing will redo it."""
+    sdir = stream_dir(run_dir)
+    seq, rev, pass_ = int(line["seq"]), int(line.get("rev", 0)), int(line["pass"])
+    path = run_dir / line["path"]
+    mark = _identity(path)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    said = None
+    told = False
+    while True:
+        st = read_state(sdir)
+        now = st.chunks.get(seq, line)
+        if int(now.get("rev", 0)) > rev:
+            return now
+        if _identity(path) != mark:  # rewritten: restored, or a redo not announced yet
+            mark = _identity(path)
+            try:
+                if sha256_file(path) == line["sha256"]:
+                    return line
+            except FileNotFoundError:
+                pass
+        bytes_were = "is gone" if seen is None else f"has sha256 {seen[:12]}..."
+        deleted = st.deleted.get(seq) or {}
+        taken_up = deleted.get("why") == "nack" and int(deleted.get("rev", -1)) == rev
+        if pass_ in st.ends and not taken_up:
+            raise StreamError(
+                f"{line['chunk']} (seq {seq}): {path} {bytes_were}, the journal announced "
+                f"{line['sha256'][:12]}...: nacked, not trained on, and nothing will redo it "
+                f"(pass {pass_} has ended and no plan has taken the nack up): run "
+                f"`{snakemake_command('extract_all', run_dir=run_dir)}` (it redoes the chunk "
+                "as a new revision), then resume from your checkpoint"
+            )
+        if deadline is not None and time.monotonic() > deadline:
+            raise StreamError(
+                f"{who}: no redo of {line['chunk']} (seq {seq}, revision {rev} nacked: {path} "
+                f"{bytes_were}) in {sdir / JOURNAL} after {timeout_s} s; is the workflow "
+                "running? the next extract_all redoes it"
+            )
+        if not told:
+            told = True
+            log.warning(
+                "%s: %s (seq %d) %s, the journal announced %s...: nacked; waiting for its "
+                "redo, which the next extract_all makes (stop a run whose chunk jobs wait "
+                "at the gate for this trainer, and rerun it)",
+                who, line["chunk"], seq, bytes_were, line["sha256"][:12],
+            )  # fmt: skip
+        said = _wait_change(sdir / JOURNAL, said, poll_s)
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    try:
+        s = path.stat()
+    except FileNotFoundError:
+        return None
+    return (s.st_ino, s.st_size, s.st_mtime_ns)
 
 
 def _wait_change(path: Path, seen: Any, poll_s: float) -> Any:

@@ -116,7 +116,8 @@ def redo_nacked(run_dir: str | Path) -> list[str]:
     Only the path the journal names, inside the run dir, not a symlink, and only while its
     bytes still differ from the announced sha256 (a payload restored since is the one the
     trainer wants: its next read accepts it).  Logged in ``deleted.jsonl`` (``why: nack``).
-    Returns the payload paths deleted.
+    Returns the payload paths deleted.  The line carries the revision nacked: a
+    waiting reader takes it as the redo under way (stream.reader.open_checked).
     """
     run_dir = Path(run_dir)
     sdir = stream_dir(run_dir)
@@ -143,8 +144,8 @@ def redo_nacked(run_dir: str | Path) -> list[str]:
                 side.unlink(missing_ok=True)
             append_line(
                 sdir / DELETED,
-                {"seq": n["seq"], "chunk": chunk, "path": path, "why": "nack", "bytes": size,
-                 "sha256": n["sha256_expected"], "at": round(time.time(), 3)},
+                {"seq": n["seq"], "rev": n["rev"], "chunk": chunk, "path": path, "why": "nack",
+                 "bytes": size, "sha256": n["sha256_expected"], "at": round(time.time(), 3)},
             )  # fmt: skip
             done.append(path)
     return done

@@ -62,7 +62,13 @@ from hsextract.stream.journal import (
     read_state,
     stream_dir,
 )
-from hsextract.stream.reader import StreamDataset, _seed_of, _wait_change, speculators_sample
+from hsextract.stream.reader import (
+    StreamDataset,
+    _seed_of,
+    _wait_change,
+    open_checked,
+    speculators_sample,
+)
 
 Key = tuple[int, int]
 
@@ -126,7 +132,7 @@ class StreamSpeculatorsDataset(BaseDataset):
                 raise StreamError(f"seq {seq} is not in {stream_dir(self.run_dir) / JOURNAL}")
             while len(self._open) >= 2:  # drop the oldest map before opening another
                 del self._open[next(iter(self._open))]
-            self._open[seq] = self._stream._open(line)  # sha256 checked first
+            self._open[seq] = self._stream._open(line)[0]  # sha256 checked first
         sample = speculators_sample(self._open[seq][j], f"seq {seq}")
         return {k: sample[k] for k in ("hidden_states", "input_ids",
                                        "verifier_last_hidden_states", "loss_mask")}  # fmt: skip
@@ -295,9 +301,11 @@ class StreamPackingSampler(Sampler[list[Key]]):
             yield yielded, [carry[self.rank][0]] if self.rank < len(carry) else []
 
     def _lengths(self, line: dict) -> list[int]:
-        """A chunk's record lengths, from its header (the dataset checks its sha256 before
-        yielding a record of it)."""
-        reader = ChunkReader(self.run_dir / line["path"])
+        """A chunk's record lengths, from its header once its sha256 is checked: a chunk
+        whose bytes changed is nacked and its redo waited for (a revision holds the same
+        records, so the same lengths) as the dataset does."""
+        reader, _ = open_checked(self.run_dir, line, who=f"rank {self.rank}",
+                                 poll_s=self.poll_s, timeout_s=self.timeout_s)  # fmt: skip
         return [int(n) for n in (reader.offsets[1:] - reader.offsets[:-1]).tolist()]
 
     def _settle(self, owed: dict[int, int], keys: list[Key], yielded: int) -> None:
