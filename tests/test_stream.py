@@ -525,6 +525,38 @@ def test_ranks_and_workers_yield_every_record_once_in_lockstep(tmp_path):
     assert Counter(ids_of(other)) == Counter(ids_of(per_rank[0]))
 
 
+def test_a_loaders_workers_hash_each_chunk_once_between_them(tmp_path, monkeypatch):
+    """Workers split each chunk's records, so each used to hash every chunk (twice: once
+    against the journal, once more at open), a whole read per worker per chunk."""
+    import gc
+
+    from hsextract import chunkfile
+
+    sizes = [4, 6, 5]
+    make_run(tmp_path / "run", sizes)
+    hashed = tmp_path / "hashed"
+    real = chunkfile.sha256_file
+
+    def counted(path, *a, **k):
+        with open(hashed, "a") as f:  # one write each, from whichever worker process
+            f.write(f"{Path(path).name}\n")
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(chunkfile, "sha256_file", counted)
+    ds = StreamDataset(tmp_path / "run", seed=1, timeout_s=60)
+    got = list(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=3,
+                                           multiprocessing_context="fork"))  # fmt: skip
+    assert Counter(ids_of(got)) == Counter(f"r{i}-{j}" for i, n in enumerate(sizes)
+                                           for j in range(n))  # fmt: skip
+    assert sorted(hashed.read_text().split()) == [f"chunk_{i:05d}.safetensors" for i in range(3)]
+    # One verdict per chunk file (its identity and sha256), in a dir of its own.
+    verdicts = Path(ds.verified)
+    assert len(list(verdicts.glob("*.ok"))) == 3
+    del ds, got
+    gc.collect()
+    assert not verdicts.exists()  # the loader's own temp dir, gone with it
+
+
 def test_the_reader_follows_a_run_in_progress(tmp_path):
     sizes = [3, 2, 4, 1]
     sides = [write_chunk(tmp_path, i, n) for i, n in enumerate(sizes)]

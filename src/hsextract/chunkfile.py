@@ -165,13 +165,57 @@ class ChunkHasher:
 _VERIFIED: set[tuple[str, int, int, int, str]] = set()
 
 
-def verify_chunk_file(path: str | os.PathLike[str], expected: str) -> None:
+class VerifiedDir:
+    """A private directory where one reader's processes leave the chunk files they hashed
+    (see :func:`verify_chunk_file`'s ``shared``), removed when its creator's object goes.
+
+    Pickled (a spawned DataLoader worker) it is borrowed: only the creating process
+    removes it, so a worker's copy going away never pulls it from under its siblings.
+    """
+
+    def __init__(self, path: str | None = None) -> None:
+        if path is not None:
+            self.path = path  # borrowed
+            return
+        import tempfile
+        import weakref
+
+        self.path = tempfile.mkdtemp(prefix="hsextract-verified-")
+        weakref.finalize(self, _remove_own_dir, self.path, os.getpid())
+
+    def __fspath__(self) -> str:
+        return self.path
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:
+        return (VerifiedDir, (self.path,))
+
+
+def _remove_own_dir(path: str, owner: int) -> None:
+    # A forked worker inherits the finalizer with the object: only the creator removes.
+    if os.getpid() == owner:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def verify_chunk_file(
+    path: str | os.PathLike[str], expected: str, *, shared: str | os.PathLike[str] | None = None
+) -> bool:
     """Hash a whole chunk file once per process (cached while the file is unchanged) and
-    raise :class:`ChunkDigestError` naming it unless it is ``expected``.
+    raise :class:`ChunkDigestError` naming it unless it is ``expected``; True if this call
+    hashed it.
 
     For readers that read records in any order (a training Dataset), where a hash
     alongside the reads is not possible: the hash also brings the file into the page cache
     the reads then hit.
+
+    ``shared``: a directory private to one reader whose processes (a DataLoader's workers)
+    split each file's records between them: the first to open a file hashes it under a
+    lock there and leaves its verdict, the others take it.  Each worker hashing every file
+    it reads a share of cost the workers as many whole-file hashes per chunk as there are
+    workers, which on a streamed run was more CPU than decoding the records.  A verdict is
+    for the file's identity (inode, size, mtime), as the in-process cache is: a chunk is
+    only ever replaced by a rename, which is another inode.
     """
     try:
         st = os.stat(path)
@@ -179,14 +223,38 @@ def verify_chunk_file(path: str | os.PathLike[str], expected: str) -> None:
         raise ChunkFileError(f"{path} is unreadable ({exc}); {redo_chunk(path)}") from exc
     key = (str(Path(path).resolve()), st.st_ino, st.st_size, st.st_mtime_ns, expected)
     if key in _VERIFIED:
-        return
+        return False
+    if shared is None:
+        _hash_and_check(path, expected)
+        _VERIFIED.add(key)
+        return True
+    import fcntl
+
+    name = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
+    verdict = Path(shared) / f"{name}.ok"
+    try:
+        fd = os.open(Path(shared) / f"{name}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+    except FileNotFoundError:  # its owner is gone (the loader was dropped): hash alone
+        return verify_chunk_file(path, expected)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a sibling hashing it now: wait for its verdict
+        hashed = not verdict.exists()
+        if hashed:
+            _hash_and_check(path, expected)
+            verdict.touch()
+    finally:
+        os.close(fd)
+    _VERIFIED.add(key)
+    return hashed
+
+
+def _hash_and_check(path: str | os.PathLike[str], expected: str) -> None:
     try:
         digest = sha256_file(path)
     except OSError as exc:
         raise ChunkFileError(f"{path} is unreadable ({exc}); {redo_chunk(path)}") from exc
     if digest != expected:
         raise ChunkDigestError.of(path, expected, digest)
-    _VERIFIED.add(key)
 
 
 class ChunkLayout:

@@ -31,7 +31,13 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from hsextract.chunkfile import ChunkFileError, sha256_file
+from hsextract.chunkfile import (
+    ChunkDigestError,
+    ChunkFileError,
+    VerifiedDir,
+    sha256_file,
+    verify_chunk_file,
+)
 from hsextract.chunks import ChunkReader
 from hsextract.commands import snakemake_command
 from hsextract.config_types import StreamConfig
@@ -96,6 +102,9 @@ class StreamDataset(IterableDataset):
         self.poll_s, self.timeout_s = poll_s, timeout_s
         self.pass_ = 1
         self._pos = {"pass": 1, "slot": 0, "pos": 0, "pad": 0}
+        #: Where this dataset's loader workers leave the chunks they hashed: each chunk is
+        #: hashed once per loader, not once per worker reading a share of its records.
+        self.verified = VerifiedDir()
 
     # -- resumable state (torchdata's Stateful protocol, per worker) --------------------
     def state_dict(self) -> dict[str, int]:
@@ -135,7 +144,7 @@ class StreamDataset(IterableDataset):
 
     def _open(self, line: dict) -> tuple[ChunkReader, dict]:
         return open_checked(self.run_dir, line, who=f"rank {self.rank}", poll_s=self.poll_s,
-                            timeout_s=self.timeout_s)  # fmt: skip
+                            timeout_s=self.timeout_s, verified=self.verified)  # fmt: skip
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
@@ -234,6 +243,7 @@ def open_checked(
     who: str = "rank 0",
     poll_s: float = 0.05,
     timeout_s: float | None = None,
+    verified: VerifiedDir | None = None,
 ) -> tuple[ChunkReader, dict]:
     """The chunk ``line`` announces, opened once its bytes hash to the journal's sha256,
     and the journal line of the revision read (the latest of its seq).
@@ -245,7 +255,8 @@ def open_checked(
     so a trainer that waits loses nothing, and need not be restarted.  But nothing redoes
     it once its pass has ended (no chunk job of it is left) unless a plan has taken the
     nack up (``deleted.jsonl``: ``why: nack`` of that revision): then it stops at once, in
-    one sentence saying what to run.  ``who`` names the waiter in the timeout's sentence.
+    one sentence saying what to run.  ``who`` names the waiter in the timeout's sentence;
+    ``verified``: the reader's processes hash each chunk once between them.
     """
     run_dir = Path(run_dir)
     sdir = stream_dir(run_dir)
@@ -254,8 +265,13 @@ def open_checked(
         line = read_state(sdir).chunks.get(seq, line)  # a redo announced meanwhile: its line
         path = run_dir / line["path"]
         try:
-            seen: str | None = sha256_file(path)
-        except FileNotFoundError:
+            verify_chunk_file(path, line["sha256"], shared=verified)
+            seen: str | None = line["sha256"]
+        except ChunkDigestError as exc:
+            seen = exc.actual
+        except ChunkFileError as exc:
+            if not isinstance(exc.__cause__, FileNotFoundError):
+                raise StreamError(f"{line['chunk']} (seq {seq}): {exc}") from exc
             if not read_state(sdir).nack_open(seq):
                 raise StreamError(
                     f"{line['chunk']} (seq {seq}) is announced but {path} is gone: it was "

@@ -51,6 +51,7 @@ from speculators.train.data import BaseDataset
 from speculators.train.distributed_batch_sampler import _assign_to_packed_batches
 from torch.utils.data import DataLoader, Sampler
 
+from hsextract.chunkfile import VerifiedDir
 from hsextract.chunks import ChunkReader
 from hsextract.config_types import StreamConfig
 from hsextract.records import _write_atomic
@@ -164,10 +165,12 @@ class StreamPackingSampler(Sampler[list[Key]]):
         epochs_mode: str = StreamConfig.epochs_mode,
         poll_s: float = 0.05,
         timeout_s: float | None = None,
+        verified: VerifiedDir | None = None,
     ) -> None:
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is not in [0, world {world})")
         self.run_dir = Path(run_dir)
+        self.verified = verified  # the dataset's: its workers then take this hash
         self.batch_max_length = batch_max_length
         self.rank, self.world, self.seed = rank, world, seed
         self.epochs_mode = epochs_mode
@@ -304,8 +307,8 @@ class StreamPackingSampler(Sampler[list[Key]]):
         """A chunk's record lengths, from its header once its sha256 is checked: a chunk
         whose bytes changed is nacked and its redo waited for (a revision holds the same
         records, so the same lengths) as the dataset does."""
-        reader, _ = open_checked(self.run_dir, line, who=f"rank {self.rank}",
-                                 poll_s=self.poll_s, timeout_s=self.timeout_s)  # fmt: skip
+        reader, _ = open_checked(self.run_dir, line, who=f"rank {self.rank}", poll_s=self.poll_s,
+                                 timeout_s=self.timeout_s, verified=self.verified)  # fmt: skip
         return [int(n) for n in (reader.offsets[1:] - reader.offsets[:-1]).tolist()]
 
     def _settle(self, owed: dict[int, int], keys: list[Key], yielded: int) -> None:
@@ -347,7 +350,8 @@ def speculators_loader(
     ds = StreamSpeculatorsDataset(run_dir, total_seq_len, hidden_states_dtype=hidden_states_dtype,
                                   epochs_mode=epochs_mode)  # fmt: skip
     sampler = StreamPackingSampler(run_dir, total_seq_len, rank=rank, world=world, seed=seed,
-                                   epochs_mode=epochs_mode, timeout_s=timeout_s)  # fmt: skip
+                                   epochs_mode=epochs_mode, timeout_s=timeout_s,
+                                   verified=ds._stream.verified)  # fmt: skip
     workers = num_workers > 0
     return DataLoader(
         ds,
