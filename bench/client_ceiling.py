@@ -917,6 +917,10 @@ def main() -> None:
         prof = ""
         if not a.no_profile:
             prof = "===== every cell =====\n" + profile_text(prof_files, a.top)
+            if prof_files:  # every cell's profile, for pstats (the work dir is removed)
+                pstats.Stats(*[str(f) for f in prof_files]).dump_stats(
+                    str(out / "client_ceiling.pstats")
+                )
             (out / "client_ceiling.profile.txt").write_text(prof + "\n".join(per_cell))
         best = max((r for r in rows if r["mode"] == "client"), key=lambda r: r["requests_per_s"])
         say(f"client ceiling: best {best['requests_per_s']:,.1f} req/s "
