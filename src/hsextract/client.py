@@ -109,8 +109,9 @@ def read_pieces(rid_dir: Path, length: int, timeout_s: float) -> list[dict]:
     for new names.  The piece stays open (its fd keeps the bytes even once the file is
     unlinked) and only its small ids tensor is read: the hidden and aux rows never enter
     Python memory whole.  ``assemble`` checks them a slice at a time in a reused buffer
-    and ``ChunkWriter.put_files`` copies them file to file in the kernel (bench/pack.py:
-    the copies into fresh memory and their page faults cost more than the copy itself).
+    and, uncompressed, writes each checked slice into the chunk file from there
+    (``ChunkWriter.row_sink``; bench/pack.py: copies into fresh memory and their page
+    faults cost more than the copy itself).
     A poll is one ``listdir`` (no pathlib glob: its Python held the job's GIL).
     """
     deadline = time.monotonic() + timeout_s
