@@ -76,11 +76,11 @@ def sha256_file(
 ) -> str:
     """Read a slice at a time into one buffer and hashed from there (cache-hot).
 
-    Not from a mapping of the file (as before issue 40): the hash's CPU is the same, but
-    unmapping happens with the GIL held (CPython's ``mmap.close``), ~20 ms for a 64 MB
-    chunk, every other thread of the process stalled meanwhile -- in a chunk job, its
-    sender threads (bench/client_ceiling.py's profile: 0.3 ms a 4 MB request).  ``preadv``
-    and ``update`` release the GIL.
+    Not from a mapping of the file (as before issue 40): that saves the copy (~5 % of the
+    hash's CPU), but unmapping happens with the GIL held (CPython's ``mmap.close``), ~20 ms
+    for a 64 MB chunk, every other thread of the process stalled meanwhile -- in a chunk
+    job, its sender threads (bench/client_ceiling.py's profile: ~0.3 ms a 4 MB request).
+    ``preadv`` and ``update`` release the GIL; 1 MiB slices keep their round trips few.
 
     ``stop`` ends a background hash early (its caller failed; the digest is moot then):
     an empty string is returned.
