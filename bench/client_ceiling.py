@@ -49,6 +49,7 @@ import multiprocessing
 import os
 import pstats
 import queue
+import re
 import shutil
 import signal
 import socket
@@ -333,7 +334,9 @@ def _job_init() -> None:
 
     _timed(client.Client, "_post", "http: POST /generate to its answer")
     _timed(client, "read_pieces", "pieces: wait, open, read ids")
-    _timed(client, "assemble", "checks: parity, shapes, finite, stats")
+    # Codec none: assemble also writes the rows it checked into the chunk file (row_sink);
+    # put_files then writes the ids and mask only.
+    _timed(client, "assemble", "checks: parity, shapes, finite, stats, rows written")
     _timed(chunks.ChunkWriter, "put_files", "chunk writer: put_files")
     put = chunks.ChunkWriter.put_files
 
@@ -761,6 +764,31 @@ def _collect_profiles(pool: ProcessPoolExecutor, n: int, where: Path) -> list[Pa
     return sorted(where.glob("prof-*.pstats"))
 
 
+#: C calls that release the GIL while they run (syscalls, hashing, socket I/O, waits, torch
+#: kernels): their own time is not the GIL's (``gil_held_s``).
+_GIL_FREE = re.compile(
+    r"posix\.(splice|preadv|pwrite|close|listdir|unlink|rmdir|open|fstat|read|write|fdatasync"
+    r"|fsync)\b|'update' of '_hashlib|'acquire' of '_thread|_socket\.socket|time\.sleep"
+    r"|select\.poll|method 'poll'|torch\._C\._linalg|torch\.isfinite"
+    r"|'(sum|amax|abs|square|item|float)' of 'torch"
+)
+
+
+def gil_held_s(files: list[Path]) -> float:
+    """Seconds of the profiles' own time (each thread's CPU) outside the calls that release
+    the GIL: Python code and the C calls that keep it.  A job's threads share one GIL, so
+    per request this bounds one job's requests/s.  An estimate: cProfile's own overhead is
+    in it."""
+    if not files:
+        return 0.0
+    stats = pstats.Stats(*[str(f) for f in files])
+    return sum(
+        tt
+        for (path, _, name), (_, _, tt, _, _) in stats.stats.items()  # type: ignore[attr-defined]
+        if not (path == "~" and _GIL_FREE.search(name))
+    )
+
+
 def profile_text(files: list[Path], top: int, full: bool = True) -> str:
     if not files:
         return "(no profile)\n"
@@ -883,6 +911,10 @@ def main() -> None:
                 prof_files += files
                 per_cell.append(f"===== L{L} aux{k} dp{d} =====\n" + profile_text(files, 15, False))
             c, b, pr = got["client"], got.get("bare"), got.get("profiled")
+            if pr and not a.no_profile:
+                pr["gil_held_ms_per_request_est"] = round(
+                    gil_held_s(files) / max(pr["records"], 1) * 1e3, 3
+                )
             rows.extend(got.values())
             ratio = f"{c['requests_per_s'] / b['requests_per_s']:.3f}" if b else "-"
             prof_rate = pr["requests_per_s"] if pr else 0.0
@@ -912,11 +944,23 @@ def main() -> None:
             say(f"  L{r['length']} aux{r['layers']} dp{r['dp']}: total "
                 f"{r['cpu_ms_per_request']:.3f}; " + "; ".join(cells)
                 + f"; shm ledger visits per request {visits:.3f}")  # fmt: skip
+        gil = [r for r in rows if "gil_held_ms_per_request_est" in r]
+        if gil:
+            say("per request, GIL held (estimate, profiled run: the profile's own time outside "
+                "the calls that release the GIL; cProfile's overhead is in it, so it is high): "
+                "what bounds one job's requests/s")  # fmt: skip
+            for r in gil:
+                say(f"  L{r['length']} aux{r['layers']} dp{r['dp']}: "
+                    f"{r['gil_held_ms_per_request_est']:.3f} ms")  # fmt: skip
         leftovers = sum(r["leftover_request_dirs"] for r in rows)
         say(f"leftover request dirs in the dump dirs: {leftovers}")
         prof = ""
         if not a.no_profile:
             prof = "===== every cell =====\n" + profile_text(prof_files, a.top)
+            if prof_files:  # every cell's profile, for pstats (the work dir is removed)
+                pstats.Stats(*[str(f) for f in prof_files]).dump_stats(
+                    str(out / "client_ceiling.pstats")
+                )
             (out / "client_ceiling.profile.txt").write_text(prof + "\n".join(per_cell))
         best = max((r for r in rows if r["mode"] == "client"), key=lambda r: r["requests_per_s"])
         say(f"client ceiling: best {best['requests_per_s']:,.1f} req/s "

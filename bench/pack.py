@@ -7,11 +7,11 @@ passes, so each record arrives as several pieces; ~2.2 GB in all), then times, p
 * ``pack``: exactly what ``hsextract.client.extract_chunk`` runs for a chunk, minus HTTP --
   a thread pool (``client.requests_in_flight`` = 8 workers) doing ``read_pieces`` (opens
   the pieces, reads the ids) -> ``assemble`` (parity, shapes, dtype, aux layers,
-  finiteness through a mapping) -> piece unlinking -> ``ChunkWriter.put_files`` (kernel
-  copy from the unlinked pieces) -> closing them, per record, then ``ChunkWriter.finish``
-  (fsync, sha256, rename) and ``check_chunk``;
-  With ``--codec lossless`` (or ``fp8``) ``put_files`` reads and encodes the rows
-  instead of copying them in the kernel;
+  finiteness, a slice at a time; uncompressed, each checked slice written into the chunk
+  file from that buffer: ``ChunkWriter.row_sink``) -> piece unlinking ->
+  ``ChunkWriter.put_files`` (the ids and mask) -> closing them, per record, then
+  ``ChunkWriter.finish`` (fsync, sha256, rename) and ``check_chunk``;
+  With ``--codec lossless`` (or ``fp8``) ``put_files`` reads and encodes the rows;
 * ``cp``: ``cp -r`` of the same piece files to the same disk, then ``sync -f`` so the bytes
   are as durable as the chunk file's (its ``finish`` fsyncs).  ``cp`` alone (page cache
   only) is printed too.
@@ -151,14 +151,17 @@ def pack(
 
     def one(j: int) -> None:
         rid_dir = dump_dir / rids[j]
+        sink = writer.row_sink(j)  # uncompressed: rows written as they are checked
         try:  # Client.extract_dump
             pieces = read_pieces(rid_dir, len(records[j]), 60.0)
-            dump = assemble(pieces, records[j], geo, f"record {j}")
+            dump = assemble(pieces, records[j], geo, f"record {j}", rows_to=sink)
         finally:
             shutil.rmtree(rid_dir, ignore_errors=True)
-        with dump:  # extract_chunk: copy from the (unlinked) pieces, then free them
+        with dump:  # extract_chunk: the rest of the record, then free the pieces
             mask = torch.ones(len(records[j]), dtype=torch.uint8)
-            writer.put_files(j, dump.ids, mask, dump.hidden, dump.aux, dump.dtype)
+            writer.put_files(
+                j, dump.ids, mask, dump.hidden, dump.aux, dump.dtype, rows_sunk=sink is not None
+            )
 
     try:
         if threads <= 1:  # inline: what --profile uses, so cProfile sees the work

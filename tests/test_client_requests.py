@@ -61,6 +61,49 @@ def test_sliced_checks_take_the_statistics_of_the_same_rows(tmp_path, monkeypatc
         assert sliced["layers"][name]["values"] == sample.shape[0] * H
 
 
+def test_rows_go_to_the_chunk_file_as_they_are_checked_and_a_bad_one_never_counts(
+    tmp_path, monkeypatch
+):
+    """Uncompressed, the checked slices are written from the check's buffer (one read of
+    the rows, issue 40): the file is the one the rows' values give, whatever the slicing;
+    a record with a NaN in its last slice is refused and never counted as written (the
+    chunk cannot finish), and a record whose rows the sink did not all take is refused."""
+    from hsextract.chunks import ChunkFileError, ChunkWriter
+
+    monkeypatch.setattr(client, "CHECK_SLICE_BYTES", SAMPLE_EVERY * 2 * H * len(LAYERS))
+    dumps = tmp_path / "dump"
+    dumps.mkdir(mode=0o700)
+    good = {n: _piece(dumps, f"r{n}", n) for n in (50, 21)}
+    bad = _piece(dumps, "r-bad", 50, bad_row=49)
+
+    def writer(name: str, lengths: list[int]) -> ChunkWriter:
+        kw = {"hidden_size": H, "n_aux": len(LAYERS), "dtype": torch.bfloat16}
+        return ChunkWriter(tmp_path / name, lengths, metadata={"m": "x"}, **kw)
+
+    sunk, ref = writer("sunk.safetensors", [21, 50]), writer("ref.safetensors", [21, 50])
+    for j, n in ((1, 50), (0, 21)):
+        pieces = client.read_pieces(dumps / f"r{n}", n, 10)
+        with client.assemble(pieces, good[n], GEO, "w", rows_to=sunk.row_sink(j)) as d:
+            ids, hidden, aux = d.tensors()
+            mask = torch.ones(n, dtype=torch.uint8)
+            sunk.put_files(j, d.ids, mask, d.hidden, d.aux, d.dtype, rows_sunk=True)
+            ref.put(j, ids, mask, hidden, aux)
+    assert sunk.finish() == ref.finish()
+
+    w = writer("bad.safetensors", [50, 21])
+    with pytest.raises(ExtractionError, match="non-finite values"):
+        client.assemble(
+            client.read_pieces(dumps / "r-bad", 50, 10), bad, GEO, "w", rows_to=w.row_sink(0)
+        )
+    with client.assemble(client.read_pieces(dumps / "r21", 21, 10), good[21], GEO, "w") as d:
+        w.row_sink(1)  # handed out, never fed: the rows did not go through it
+        with pytest.raises(ChunkFileError, match="row sink took"):
+            w.put_files(1, d.ids, torch.ones(21), d.hidden, d.aux, d.dtype, rows_sunk=True)
+    with pytest.raises(ChunkFileError, match=r"records \[0, 1\] never written"):
+        w.finish()
+    assert not (tmp_path / "bad.safetensors").exists()
+
+
 def test_a_request_dir_is_removed_whatever_it_holds(tmp_path):
     plain, odd = tmp_path / "a-00000000", tmp_path / "b-00000000"
     _piece(tmp_path, plain.name, 4)

@@ -21,7 +21,7 @@ import json
 import mmap
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -256,6 +256,8 @@ class ChunkWriter:
             self.abort()
             raise
         self.written = [False] * len(self.lengths)
+        #: Per record given a ``row_sink``: bytes of its hidden and aux rows written so far.
+        self._sunk: dict[int, list[int]] = {}
 
     def _header(self, blob_bytes: int) -> bytes:
         header: dict[str, object] = {"__metadata__": self.metadata}
@@ -365,6 +367,34 @@ class ChunkWriter:
         self._put_rows(j, _Rows(mem=hb), _Rows(mem=ab))
         self.written[j] = True
 
+    def row_sink(self, j: int) -> Callable[[int, int, memoryview], None] | None:
+        """Uncompressed: a callable ``(tensor, at, data)`` writing bytes of record ``j``'s
+        hidden (tensor 0) or aux (1) rows, ``at`` bytes into the record's rows of that
+        tensor, straight to their place in the file; then ``put_files(..., rows_sunk=True)``
+        writes the rest of the record.  ``None`` with a codec (it encodes whole frames).
+
+        Why: the client reads every row once to check it (``client.assemble``); writing
+        the rows from that buffer saves reading them once more to copy them (issue 40)."""
+        if self.codec != "none":
+            return None
+        start, n = int(self.offsets[j]), self.lengths[j]
+        where = [
+            (self.data_start + self.base[name] + rb * start, n * rb)
+            for name, rb in zip(("hidden_states", "aux_hidden_states"), self.row_bytes, strict=True)
+        ]
+        got = self._sunk[j] = [0, 0]
+
+        def sink(tensor: int, at: int, data: memoryview) -> None:
+            base, room = where[tensor]
+            if at < 0 or at + len(data) > room:
+                raise ChunkFileError(
+                    f"record {j}: rows at byte {at}+{len(data)} past its {room} bytes"
+                )
+            self._pwrite_at(base + at, data)
+            got[tensor] += len(data)
+
+        return sink
+
     def put_files(
         self,
         j: int,
@@ -373,17 +403,31 @@ class ChunkWriter:
         hidden: Sequence[tuple[int, int, int, str]],
         aux: Sequence[tuple[int, int, int, str]],
         dtype: torch.dtype,
+        *,
+        rows_sunk: bool = False,
     ) -> None:
         """Like ``put``, but the hidden and aux rows are ``(fd, offset, nbytes, name)`` byte
         ranges of open files, in row order.  Uncompressed, they are copied file to file in
         the kernel (``splice`` through a pipe: no user-space copy, no fresh memory); with a
-        codec, read a frame at a time and encoded.  ``name`` is for errors."""
-        self._check(j, input_ids, (sum(r[2] for r in hidden), sum(r[2] for r in aux)), dtype)
+        codec, read a frame at a time and encoded.  ``name`` is for errors.
+
+        ``rows_sunk``: the rows came through ``row_sink(j)`` already; refused unless it
+        took exactly the record's bytes."""
+        nbytes = (sum(r[2] for r in hidden), sum(r[2] for r in aux))
+        self._check(j, input_ids, nbytes, dtype)
+        if rows_sunk:
+            got = self._sunk.pop(j, None)
+            if got is None or tuple(got) != nbytes:
+                raise ChunkFileError(
+                    f"record {j}: its row sink took {got} bytes of hidden and aux rows, "
+                    f"not {list(nbytes)}"
+                )
         self._put_small(j, input_ids, loss_mask)
-        if self.codec == "none":
-            self._splice_rows(j, hidden, aux)
-        else:
-            self._put_rows(j, _Rows(ranges=hidden), _Rows(ranges=aux))
+        if not rows_sunk:
+            if self.codec == "none":
+                self._splice_rows(j, hidden, aux)
+            else:
+                self._put_rows(j, _Rows(ranges=hidden), _Rows(ranges=aux))
         self.written[j] = True
 
     def _splice_rows(

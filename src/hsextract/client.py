@@ -109,8 +109,9 @@ def read_pieces(rid_dir: Path, length: int, timeout_s: float) -> list[dict]:
     for new names.  The piece stays open (its fd keeps the bytes even once the file is
     unlinked) and only its small ids tensor is read: the hidden and aux rows never enter
     Python memory whole.  ``assemble`` checks them a slice at a time in a reused buffer
-    and ``ChunkWriter.put_files`` copies them file to file in the kernel (bench/pack.py:
-    the copies into fresh memory and their page faults cost more than the copy itself).
+    and, uncompressed, writes each checked slice into the chunk file from there
+    (``ChunkWriter.row_sink``; bench/pack.py: copies into fresh memory and their page
+    faults cost more than the copy itself).
     A poll is one ``listdir`` (no pathlib glob: its Python held the job's GIL).
     """
     deadline = time.monotonic() + timeout_s
@@ -222,6 +223,11 @@ def _piece_layout(fd: int) -> tuple[dict, dict[str, tuple[torch.dtype, list[int]
 
 def _pread_into(fd: int, t: torch.Tensor, offset: int) -> None:
     view = memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
+    _pread_full(fd, view, offset)
+
+
+def _pread_full(fd: int, view: memoryview, offset: int) -> None:
+    """Fill ``view`` from ``fd`` at ``offset``: one ``preadv`` unless the read comes short."""
     while len(view):
         n = os.preadv(fd, [view], offset)
         if n <= 0:
@@ -256,8 +262,9 @@ class Dump:
     """A request's checked dump: ids in memory, hidden and aux rows still in the piece files.
 
     ``hidden`` and ``aux`` are ``(fd, offset, nbytes, path)`` byte ranges, in row order,
-    read by ``ChunkWriter.put_files``.  The fds stay valid after the files are unlinked;
-    ``close`` (or ``with``) releases them, and with them the /dev/shm pages.
+    read by ``ChunkWriter.put_files`` (unless the rows went to the chunk file already, as
+    they were checked: ``assemble``'s ``rows_to``).  The fds stay valid after the files
+    are unlinked; ``close`` (or ``with``) releases them, and with them the /dev/shm pages.
     """
 
     ids: torch.Tensor
@@ -291,17 +298,37 @@ class Dump:
         return self.ids, out[0], out[1]
 
 
-def assemble(pieces: list[dict], sent: list[int], geo: Geometry, where: str) -> Dump:
+#: Where checked rows go as they are read: ``(tensor, at, data)`` with tensor 0 the hidden
+#: rows and 1 the aux rows, ``at`` the byte offset of ``data`` in the record's rows of that
+#: tensor (``ChunkWriter.row_sink``).
+RowSink = Callable[[int, int, memoryview], None]
+
+
+def assemble(
+    pieces: list[dict],
+    sent: list[int],
+    geo: Geometry,
+    where: str,
+    rows_to: RowSink | None = None,
+) -> Dump:
     """Check parity with the sent ids, shapes, dtype, aux layers and finiteness of a
-    request's pieces (from ``read_pieces``); on failure the pieces are closed."""
+    request's pieces (from ``read_pieces``); on failure the pieces are closed.
+
+    With ``rows_to``, each slice of rows goes there once it is checked, from the buffer
+    the check read it into: the rows are read once, not once to check and once more to
+    copy them into the chunk file (issue 40: the second read was ~0.5 ms of CPU and a
+    dozen GIL round trips a 4 MB request).  A check that fails after some slices went
+    there fails the whole chunk (its file is a temporary one, removed)."""
     try:
-        return _assemble(pieces, sent, geo, where)
+        return _assemble(pieces, sent, geo, where, rows_to)
     except BaseException:
         close_pieces(pieces)
         raise
 
 
-def _assemble(pieces: list[dict], sent: list[int], geo: Geometry, where: str) -> Dump:
+def _assemble(
+    pieces: list[dict], sent: list[int], geo: Geometry, where: str, rows_to: RowSink | None
+) -> Dump:
     parts = [p["input_ids"] for p in pieces]
     ids = parts[0] if len(parts) == 1 else torch.cat(parts)
     sent_t = torch.tensor(sent, dtype=ids.dtype)
@@ -337,9 +364,12 @@ def _assemble(pieces: list[dict], sent: list[int], geo: Geometry, where: str) ->
             f"{geo.dtype} (model.dtype)"
         )
     stats = LayerStats(layer_names(geo.aux_layers, geo.num_layers))
+    at = [0, 0]  # bytes of hidden and aux rows of the pieces before this one
     for p in pieces:
-        if not _piece_finite(p, want, stats, k):
+        if not _piece_finite(p, want, stats, k, rows_to, (at[0], at[1])):
             raise ExtractionError(f"{where}: non-finite values in the dumped hidden states")
+        at[0] += p["layout"]["hidden_states"][3]
+        at[1] += p["layout"]["aux_hidden_states"][3]
     ranges = {
         key: [(p["fd"], *p["layout"][key][2:], str(p["path"])) for p in pieces] for key in want
     }
@@ -365,7 +395,12 @@ _CHECK_SLOTS = threading.BoundedSemaphore(max(2, os.cpu_count() or 2))
 
 
 def _piece_finite(
-    piece: dict, keys: Iterable[str], stats: LayerStats | None = None, k: int = 0
+    piece: dict,
+    keys: Iterable[str],
+    stats: LayerStats | None = None,
+    k: int = 0,
+    rows_to: RowSink | None = None,
+    at: tuple[int, int] = (0, 0),
 ) -> bool:
     """Are the piece's float tensors all finite?  On the way, the sampled activation
     statistics (:mod:`hsextract.stats`) of its layers.
@@ -375,7 +410,10 @@ def _piece_finite(
     mapping's page faults and its teardown's TLB shootdowns in a process of many threads
     cost more than the copy (issue 40: ~0.6 ms a 4 MB request, the sender threads of the
     job stalled meanwhile).  ``preadv`` and the torch reductions release the GIL.  Slices
-    start at a multiple of the statistics' sampling step, so they sample the same rows."""
+    start at a multiple of the statistics' sampling step, so they sample the same rows.
+
+    A checked slice goes to ``rows_to`` (``assemble``), ``at`` the byte offsets of this
+    piece's hidden and aux rows in the record's."""
     fd = piece["fd"]
     with _CHECK_SLOTS:
         try:
@@ -392,16 +430,20 @@ def _piece_finite(
                 step = max(1, CHECK_SLICE_BYTES // row_bytes // SAMPLE_EVERY) * SAMPLE_EVERY
                 if step * row_bytes > buf.numel():  # rows wider than a slice
                     buf = torch.empty(step * row_bytes, dtype=torch.uint8)
+                mem = memoryview(buf.numpy())
                 aux = key == "aux_hidden_states"
+                tensor = 1 if aux else 0
                 for r0 in range(0, rows, step):
                     n = min(step, rows - r0)
-                    view = buf[: n * row_bytes]
-                    _pread_into(fd, view, offset + r0 * row_bytes)
-                    t = view.view(dtype).view(n, cols)
+                    view = mem[: n * row_bytes]
+                    _pread_full(fd, view, offset + r0 * row_bytes)
+                    t = buf[: n * row_bytes].view(dtype).view(n, cols)
                     if not _all_finite(t):
                         return False
                     if stats is not None:
                         stats.add_rows(0 if aux else k, t, k if aux else 1)
+                    if rows_to is not None:
+                        rows_to(tensor, at[tensor] + r0 * row_bytes, view)
         finally:
             _CHECK_BUFFERS.put(buf)
     return True
@@ -421,7 +463,7 @@ def _all_finite(t: torch.Tensor) -> bool:
     """Exact, and fast: an inf or nan makes the sum inf or nan, so a finite sum proves every
     element finite (bf16 ``sum`` runs ~50x faster than ``isfinite().all()`` on CPU); only an
     overflowing sum of finite values takes the elementwise check."""
-    if bool(torch.isfinite(t.sum())):
+    if math.isfinite(t.sum().item()):
         return True
     return bool(torch.isfinite(t).all())
 
@@ -664,9 +706,12 @@ class Client:
         with self.extract_dump(rid_prefix, record_id, ids) as dump:
             return dump.tensors()
 
-    def extract_dump(self, rid_prefix: str, record_id: str, ids: list[int]) -> Dump:
+    def extract_dump(
+        self, rid_prefix: str, record_id: str, ids: list[int], rows_to: RowSink | None = None
+    ) -> Dump:
         """One request, checked; its pieces are unlinked, their bytes held by the ``Dump``
-        until it is closed (the caller closes it, after ``ChunkWriter.put_files``)."""
+        until it is closed (the caller closes it, after ``ChunkWriter.put_files``).  With
+        ``rows_to`` its rows go there as they are checked (``assemble``)."""
         where = f"record {record_id!r}"
         last: Exception | None = None
         for attempt in range(self.retries + 1):
@@ -676,7 +721,7 @@ class Client:
                 self._post(rid, ids)
                 self.last_response_at = max(self.last_response_at or 0.0, time.time())
                 pieces = read_pieces(rid_dir, len(ids), self.piece_timeout)
-                return assemble(pieces, ids, self.geo, f"{where} (rid {rid})")
+                return assemble(pieces, ids, self.geo, f"{where} (rid {rid})", rows_to)
             except TransientError as exc:
                 last = exc
                 # The server may still be prefilling it: stop it, and make sure no piece
@@ -908,10 +953,17 @@ def _extract_chunk(
                 token = shm.acquire(need(rec))
                 if next(started) == len(records):
                     turn.release()  # the last record goes out now: a waiting job may send
+                # Uncompressed, the rows go to the chunk file as they are checked (one read).
+                sink = writer.row_sink(j)
                 try:  # the budget is held until the pieces' bytes are freed (dump closed)
-                    with client.extract_dump(f"{name}-{j:06d}", rec.id, rec.input_ids) as dump:
+                    with client.extract_dump(
+                        f"{name}-{j:06d}", rec.id, rec.input_ids, rows_to=sink
+                    ) as dump:
                         mask = torch.tensor(rec.loss_mask, dtype=torch.uint8)
-                        writer.put_files(j, dump.ids, mask, dump.hidden, dump.aux, dump.dtype)
+                        writer.put_files(
+                            j, dump.ids, mask, dump.hidden, dump.aux, dump.dtype,
+                            rows_sunk=sink is not None,
+                        )  # fmt: skip
                         if dump.stats is not None:
                             chunk_stats.merge(dump.stats)
                 finally:

@@ -29,13 +29,17 @@ class LayerStats:
         self._lock = threading.Lock()
 
     def add_rows(self, first: int, rows: torch.Tensor, layers: int) -> None:
-        """``rows`` [n, layers*H] (a piece's tensor); slots ``first..first+layers``."""
+        """``rows`` [n, layers*H] (a piece's tensor); slots ``first..first+layers``.
+
+        The sampled rows are made float32 once and reduced from there: ~3x less CPU than
+        a float32 ``vector_norm`` and an ``abs().amax()`` of the narrow dtype (issue 40,
+        0.28 vs 0.10 ms a 3 MB slice; the same values: bf16/f16 to f32 is exact)."""
         sample = rows[::SAMPLE_EVERY]
         if not sample.shape[0]:
             return
-        v = sample.reshape(sample.shape[0], layers, -1)
-        sq = torch.linalg.vector_norm(v, dim=(0, 2), dtype=torch.float32).square().tolist()
-        mx = v.abs().amax(dim=(0, 2)).float().tolist()
+        v = sample.reshape(sample.shape[0], layers, -1).float()
+        sq = v.square().sum(dim=(0, 2)).tolist()
+        mx = v.abs().amax(dim=(0, 2)).tolist()
         count = v.shape[0] * v.shape[2]
         with self._lock:
             for i in range(layers):

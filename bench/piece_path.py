@@ -1,0 +1,139 @@
+"""One chunk job's per-request piece path, no HTTP (issue 40): requests/s and CPU ms a
+request, rows written as they are checked vs checked and then copied again.
+
+Pieces are written beforehand by the real ``hsextract.capture.DumpWriter`` (one piece a
+request, bf16), then a thread pool of ``--threads`` (a chunk job's sender threads) runs,
+per request, what ``hsextract.client.extract_chunk`` runs once the server has answered:
+``read_pieces`` -> ``assemble`` -> the request dir removed -> ``ChunkWriter.put_files`` ->
+the pieces closed; ``finish`` is not timed (its sha256 is per chunk, not per request).
+
+* ``sunk`` (what the client does): ``assemble(rows_to=ChunkWriter.row_sink(j))`` writes each
+  slice of rows into the chunk file from the buffer it was checked in (one read of the rows);
+* ``spliced`` (the baseline, same run, the client before): ``assemble`` checks, then
+  ``put_files`` reads the rows again to ``splice`` them into the chunk file.
+
+The two alternate, ``--rounds`` times each, on fresh pieces and a fresh chunk file under
+a dir of its own in ``--work-root`` (default /dev/shm), removed at the end.  Last line:
+``sunk/spliced requests/s ratio: X.XX`` (medians).
+
+    python bench/piece_path.py                       # 128-token records, 3 aux layers
+    python bench/piece_path.py --layers 6 --threads 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+
+def one_round(root: Path, a: argparse.Namespace, mode: str, threads: int) -> tuple[float, float]:
+    """(requests/s, process CPU ms a request) of ``a.requests`` requests."""
+    import torch
+
+    from hsextract import client
+    from hsextract.capture import DumpWriter
+    from hsextract.chunks import ChunkWriter
+
+    layers = list(range(2, 2 + a.layers))
+    geo = client.Geometry(a.hidden, 2 + a.layers + 3, layers, torch.bfloat16)
+    dump = root / "dump"
+    dump.mkdir(mode=0o700)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 30000, (a.tokens,), generator=g)
+    hidden = torch.randn(a.tokens, a.hidden, generator=g).to(torch.bfloat16)
+    aux = [torch.randn(a.tokens, a.hidden, generator=g).to(torch.bfloat16) for _ in layers]
+    writer = DumpWriter(dump, layers, threads=2)
+    for j in range(a.requests):
+        writer.write_batch([f"r{j}"], [0], [a.tokens], ids, hidden, aux)
+    writer.flush()
+    writer.close()
+    chunk = ChunkWriter(
+        root / "chunk.safetensors",
+        [a.tokens] * a.requests,
+        hidden_size=a.hidden,
+        n_aux=a.layers,
+        dtype=torch.bfloat16,
+        metadata={"bench": "piece_path"},
+    )
+    sent, mask = ids.tolist(), torch.ones(a.tokens, dtype=torch.uint8)
+
+    def request(j: int) -> None:
+        rid_dir = dump / f"r{j}"
+        sink = chunk.row_sink(j) if mode == "sunk" else None
+        try:
+            pieces = client.read_pieces(rid_dir, a.tokens, 10.0)
+            dump_ = client.assemble(pieces, sent, geo, f"r{j}", rows_to=sink)
+        finally:
+            client._remove_request_dir(rid_dir)  # noqa: SLF001 - what extract_dump runs
+        with dump_:
+            chunk.put_files(j, dump_.ids, mask, dump_.hidden, dump_.aux, dump_.dtype,
+                            rows_sunk=sink is not None)  # fmt: skip
+
+    cpu, t = time.process_time(), time.perf_counter()
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(request, range(a.requests)))
+        wall, cpu = time.perf_counter() - t, time.process_time() - cpu
+    finally:
+        chunk.abort()
+        shutil.rmtree(dump, ignore_errors=True)
+    return a.requests / wall, cpu / a.requests * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=128, help="tokens a request")
+    ap.add_argument("--layers", type=int, default=3, help="captured aux layers (+ the final)")
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--requests", type=int, default=400, help="a round")
+    ap.add_argument("--threads", default="1,8", help="sender threads, one setting per line")
+    ap.add_argument("--rounds", type=int, default=3, help="per mode and thread count")
+    ap.add_argument("--work-root", default="/dev/shm")
+    a = ap.parse_args()
+    import torch
+
+    from hsextract.client import one_thread_per_op
+
+    one_thread_per_op()  # as a chunk job does
+    mb = 2 * a.hidden * (a.layers + 1) * a.tokens / 2**20
+    print(f"piece path: {a.tokens}-token requests, {a.layers} aux layers + final, hidden "
+          f"{a.hidden}, bf16 ({mb:.1f} MiB a request), {a.requests} requests a round, torch "
+          f"{torch.__version__}, {os.cpu_count()} CPUs")  # fmt: skip
+    # Ours alone: a fresh dir, removed at the end; nothing else under --work-root is touched.
+    work = Path(a.work_root) / f"hsextract-piece-path-{os.getuid()}-{os.getpid()}"
+    work.mkdir(mode=0o700)
+    ratios = []
+    try:
+        for threads in [int(x) for x in a.threads.split(",")]:
+            got: dict[str, list[tuple[float, float]]] = {"spliced": [], "sunk": []}
+            for i in range(a.rounds):
+                for mode in ("spliced", "sunk") if i % 2 == 0 else ("sunk", "spliced"):
+                    root = work / f"{mode}-{threads}-{i}"
+                    root.mkdir()
+                    got[mode].append(one_round(root, a, mode, threads))
+                    shutil.rmtree(root)
+            med = {m: (statistics.median(r for r, _ in v), statistics.median(c for _, c in v))
+                   for m, v in got.items()}  # fmt: skip
+            for mode, (rate, cpu) in med.items():
+                runs = ", ".join(f"{r:.0f}" for r, _ in got[mode])
+                print(f"  {threads:>2} threads, {mode:>7}: {rate:8.1f} requests/s (median of "
+                      f"{runs}), {cpu:.3f} ms CPU a request")  # fmt: skip
+            ratios.append(med["sunk"][0] / med["spliced"][0])
+            print(f"  {threads:>2} threads: sunk/spliced requests/s {ratios[-1]:.2f}, CPU a "
+                  f"request {med['sunk'][1] / med['spliced'][1]:.2f}")  # fmt: skip
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"sunk/spliced requests/s ratio: {statistics.median(ratios):.2f}")
+
+
+if __name__ == "__main__":
+    main()
