@@ -224,7 +224,7 @@ def manifest_path(path: Path) -> Path:
 def _plan(args: argparse.Namespace) -> int:
     """Which chunks the next run re-extracts, from the current split; touches nothing."""
     from hsextract.config import chunk_sizing, fingerprint, run_dir
-    from hsextract.plan import changed_inputs, chunk_states
+    from hsextract.plan import changed_inputs, chunk_states, later_pass_states
     from hsextract.sizing import sizing_report
 
     cfg = _load(args)
@@ -244,7 +244,7 @@ def _plan(args: argparse.Namespace) -> int:
     print(
         f"{rd}: {len(todo)} of {len(states)} chunk(s) to extract, {len(states) - len(todo)} current"
     )
-    for s in todo:
+    for s in todo + later_pass_states(rd, index, fingerprint(cfg)):
         print(f"  {s.chunk}: {s.reason}")
     if changed:
         # Which chunks a changed shard touches is known only once the merge and split
