@@ -479,16 +479,25 @@ def preflight(
     chunked_prefill_size: int = -1,
     free_bytes: Callable[[Path], int] | None = None,
     headroom: float = 0.02,
+    stream_budget_bytes: int | None = None,
+    largest_chunk_tokens: int = 0,
 ) -> dict[str, Any]:
     """Check both budgets; return the figures or raise BudgetError naming the key to change.
 
     ``headroom`` is the fraction of the estimate kept free on top (safetensors headers,
     sidecars, filesystem slack).  ``free_bytes`` defaults to :func:`probe_free_bytes`,
     looked up at call time so tests can patch the module attribute.
+    ``stream_budget_bytes`` (stream.budget_gb): the stream deletes what the trainer acked,
+    so the output disk holds at most the budget plus the chunk a job writes past it (the
+    largest, ``largest_chunk_tokens``), or the tokens left if fewer: the run's bytes would
+    refuse exactly the runs a budget is for.
     """
     probe = free_bytes or (lambda p: probe_free_bytes(p))
     bpt = bytes_per_token(hidden_size, n_aux, dtype)
-    out_need = int(total_tokens * bpt * (1 + headroom))
+    written = total_tokens * bpt
+    if stream_budget_bytes is not None:
+        written = min(written, stream_budget_bytes + largest_chunk_tokens * bpt)
+    out_need = int(written * (1 + headroom))
     out_free = probe(Path(output_root))
     per_request = (
         dump_bytes_for_request(max_len, hidden_size, n_aux, dtype, chunked_prefill_size)
@@ -502,6 +511,8 @@ def preflight(
         "bytes_per_token": bpt,
         "total_tokens": total_tokens,
         "output_bytes_needed": out_need,
+        "stream_budget_bytes": stream_budget_bytes,
+        "largest_chunk_tokens": largest_chunk_tokens,
         "output_root": str(output_root),
         "output_free_bytes": out_free,
         "max_len": max_len,
@@ -525,7 +536,20 @@ def preflight(
 def _problems(r: dict[str, Any], hidden_size: int, n_aux: int, dtype: Any) -> list[str]:
     """Each failed budget as one sentence: the numbers, then what to change."""
     out = []
-    if r["output_bytes_needed"] > r["output_free_bytes"]:
+    capped = r.get("stream_budget_bytes") is not None and (
+        r["stream_budget_bytes"] + r["largest_chunk_tokens"] * r["bytes_per_token"]
+        < r["total_tokens"] * r["bytes_per_token"]
+    )
+    if r["output_bytes_needed"] > r["output_free_bytes"] and capped:
+        out.append(
+            f"output: the stream holds at most stream.budget_gb "
+            f"({human(r['stream_budget_bytes'])}) + the largest chunk "
+            f"({r['largest_chunk_tokens']:,} tokens x {r['bytes_per_token']:,} B/token) = "
+            f"{human(r['output_bytes_needed'])} with headroom, but {r['output_root']} has "
+            f"{human(r['output_free_bytes'])} free; free space there, lower stream.budget_gb "
+            "or change output_root"
+        )
+    elif r["output_bytes_needed"] > r["output_free_bytes"]:
         out.append(
             f"output: {r['total_tokens']:,} tokens x {r['bytes_per_token']:,} B/token "
             f"(H={hidden_size}, {n_aux} aux + final, {dtype}) = "
