@@ -131,6 +131,53 @@ def test_a_payload_lost_before_its_ack_keeps_its_room_and_its_redo_passes_the_ga
     t.join(60)
 
 
+def test_stream_gc_frees_what_was_acked_after_the_last_job_and_names_what_it_leaves(
+    tmp_path, monkeypatch, capsys
+):
+    """Acks that land after the last chunk job ran: no gate looks again, so on e4eb6ed the
+    payloads stayed (no command).  `hsextract stream gc` frees them by the producer's
+    rules, and leaves a file whose bytes changed (same size: only the sha256 tells) or
+    that is not the size announced, naming each; `hsextract status` names the command."""
+    from hsextract.cli import main
+
+    wd = make_workdir(tmp_path / "w", **CONFIG)
+    monkeypatch.chdir(wd)  # the commands in-process, as a user runs them in the workdir
+
+    def hsx(*args: str) -> tuple[int, str]:
+        rc = main([*args, "--configfile", "config.yaml"])
+        return rc, capsys.readouterr().out
+
+    rd = wd / hsx("run-dir")[1].strip()
+    sides = [one_chunk(rd, i) for i in range(3)]
+    for s in sides:
+        journal.announce(rd, n_chunks=3, **s)
+    journal.AckWriter(rd).ack([0, 1, 2])
+    changed = rd / sides[1]["path"]
+    data = bytearray(changed.read_bytes())
+    data[0] ^= 0xFF
+    changed.write_bytes(bytes(data))
+    users = rd / sides[2]["path"]
+    users.write_bytes(b"a user's file")
+
+    status = hsx("status")[1]
+    assert "2 payload(s) acknowledged by the trainer" in status, status
+    assert "`hsextract stream gc --configfile " in status
+
+    rc, out = hsx("stream", "gc")
+    assert rc == 0, out
+    assert not (rd / sides[0]["path"]).exists()
+    assert changed.read_bytes() == bytes(data) and users.read_bytes() == b"a user's file"
+    assert f"left {sides[1]['path']}: its bytes are not the announced sha256" in out
+    assert f"left {sides[2]['path']}: 13 bytes, announced 1024" in out
+    assert "freed 1 payload(s) acknowledged by the trainer, 1.02e-06 GB" in out
+    deleted = journal.read_lines(rd / "stream" / "deleted.jsonl")
+    assert [(d["chunk"], d["why"], d["sha256"]) for d in deleted] == [
+        ("chunk_00000", "ack", sides[0]["sha256"])
+    ]
+    sample = journal.read_lines(rd / "stream" / "usage.jsonl")[-1]
+    assert sample["event"] == "gc" and sample["payload_bytes"] == 1024 + 13
+
+
 def test_regenerated_counts_the_later_passes_matching_pass_1(tmp_path):
     from hsextract.stream.receipts import regenerated
 

@@ -197,28 +197,36 @@ def unacked_bytes(run_dir: Path, st: StreamState, final_pass: int) -> int:
 
 
 def delete_acked(
-    run_dir: Path, st: StreamState, final_pass: int, *, keep: str | None = None
+    run_dir: Path,
+    st: StreamState,
+    final_pass: int,
+    *,
+    keep: str | None = None,
+    rehash: bool = False,
+    left: list[tuple[str, str]] | None = None,
 ) -> list[str]:
     """Remove the payload of every chunk acked for good; only a file the journal names,
-    under the run dir, of the size the journal recorded (anything else is not what we
-    wrote, and is left alone).  The sidecar stays (the receipt, stream.receipts); the
-    line says which bytes it stands for.  ``keep``: the path the calling job just wrote
-    (an acked chunk redone on request, its receipt forced): the user asked for it, so it
-    stays until the next job's gate."""
+    under the run dir, not a symlink, of the size the journal recorded (anything else is
+    not what we wrote, and is left alone).  The sidecar stays (the receipt,
+    stream.receipts); the line says which bytes it stands for.  ``keep``: the path the
+    calling job just wrote (an acked chunk redone on request, its receipt forced): the
+    user asked for it, so it stays until the next job's gate.  ``rehash`` (``hsextract
+    stream gc``, run by hand: it may read): also only while its bytes are the announced
+    sha256; a gate does not, it would read every payload it frees.  ``left`` gets
+    (path, why) for each acked payload left alone."""
     sdir = stream_dir(run_dir)
     gone = []
     for seq, c in sorted(st.chunks.items()):
         if not st.is_acked(seq, final_pass) or c["path"] == keep:
             continue
-        p = (run_dir / c["path"]).resolve()
-        if run_dir.resolve() not in p.parents or p.is_symlink():
+        why = _not_ours(run_dir, c, rehash)
+        if why == "gone":
             continue
-        try:
-            if p.stat().st_size != c["bytes"]:
-                continue
-        except FileNotFoundError:
+        if why is not None:
+            if left is not None:
+                left.append((c["path"], why))
             continue
-        p.unlink()
+        (run_dir / c["path"]).unlink()
         append_line(
             sdir / DELETED,
             {
@@ -233,6 +241,57 @@ def delete_acked(
         )
         gone.append(c["path"])
     return gone
+
+
+def _not_ours(run_dir: Path, line: dict[str, Any], rehash: bool) -> str | None:
+    """Why the payload an announcement names may not be deleted ("gone": nothing there),
+    or None: it is the file we announced."""
+    p = run_dir / line["path"]
+    if p.is_symlink():
+        return "a symlink, not the file we wrote"
+    if run_dir.resolve() not in p.resolve().parents:
+        return "outside the run dir"
+    try:
+        size = p.stat().st_size
+    except FileNotFoundError:
+        return "gone"
+    if size != line["bytes"]:
+        return f"{size} bytes, announced {line['bytes']}: not the file we wrote"
+    if rehash:
+        from hsextract.chunkfile import sha256_file
+
+        if sha256_file(p) != line["sha256"]:
+            return f"its bytes are not the announced sha256 {line['sha256'][:12]}...: changed"
+    return None
+
+
+def gc(run_dir: Path, ss: StreamSettings) -> dict[str, Any]:
+    """``hsextract stream gc``: free the payloads acked after the last chunk job's look
+    (deletion otherwise happens at a gate or an announcement only, and the last chunk's
+    job may have ended before the trainer's last acks).  The producer's own rules
+    (:func:`delete_acked`, with the sha256 checked), under the stream's lock, logged in
+    ``deleted.jsonl``, a usage sample after.  What it freed and what it left, and why."""
+    run_dir = Path(run_dir)
+    sdir = stream_dir(run_dir)
+    left: list[tuple[str, str]] = []
+    with locked(sdir):
+        st = read_state(sdir)
+        sizes = {c["path"]: int(c["bytes"]) for c in st.chunks.values()}
+        gone = delete_acked(run_dir, st, ss.final_pass, rehash=True, left=left)
+        record_usage(run_dir, read_state(sdir), ss, "gc", "")
+    return {"deleted": gone, "freed_bytes": sum(sizes[p] for p in gone), "left": left}
+
+
+def acked_on_disk(run_dir: Path, st: StreamState, final_pass: int) -> list[dict[str, Any]]:
+    """Announced payloads acked for good, still on disk and ours (:func:`_not_ours`, by
+    size: a status reads no payload): what the next gate, or ``hsextract stream gc``,
+    frees.  Only those the deletion log does not name are looked at."""
+    return [
+        c
+        for s, c in sorted(st.chunks.items())
+        if st.is_acked(s, final_pass) and s not in st.deleted
+        and _not_ours(run_dir, c, rehash=False) is None
+    ]  # fmt: skip
 
 
 def usage_figures(run_dir: Path, st: StreamState, ss: StreamSettings) -> dict[str, Any]:
@@ -433,6 +492,7 @@ def summary(run_dir: Path, final_pass: int = 1, *, budget_bytes: int | None = No
     unacked = st.unacked(final_pass)
     oldest = min(unacked, key=lambda c: c["at"], default=None)
     deleted = [d for d in st.deleted.values() if d.get("why", "ack") == "ack"]
+    waiting = acked_on_disk(run_dir, st, final_pass)
     return {
         "announced": len(st.chunks),
         "acked": sum(1 for s in st.chunks if st.is_acked(s, final_pass)),
@@ -447,6 +507,8 @@ def summary(run_dir: Path, final_pass: int = 1, *, budget_bytes: int | None = No
         "deleted": len(deleted),
         "deleted_bytes": sum(d["bytes"] for d in deleted),
         "nacked": sorted(st.nacked),
+        "acked_on_disk": len(waiting),
+        "acked_on_disk_bytes": sum(int(c["bytes"]) for c in waiting),
     }
 
 
