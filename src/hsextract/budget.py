@@ -55,6 +55,18 @@ def bytes_per_token(hidden_size: int, n_aux: int, dtype: Any) -> int:
     return dtype_bytes(dtype) * hidden_size * (n_aux + 1) + ID_BYTES + MASK_BYTES
 
 
+def stored_bytes_per_token(
+    codec: str, hidden_size: int, n_aux: int, dtype: Any
+) -> tuple[int, bool]:
+    """A chunk file's bytes per token under ``storage.codec`` before any is measured, and
+    whether that is exact: ``none`` stores the raw rows, ``fp8`` one byte per element
+    plus a float32 scale per token per layer (chunkfile's layout), both exact; ``lossless``
+    depends on the states (zstd on their byte planes), so only the raw size bounds it."""
+    if codec == "fp8":
+        return (hidden_size + 4) * (n_aux + 1) + ID_BYTES + MASK_BYTES, True
+    return bytes_per_token(hidden_size, n_aux, dtype), codec != "lossless"
+
+
 def dump_bytes_per_token(hidden_size: int, n_aux: int, dtype: Any) -> int:
     """Bytes per token of a dump piece in /dev/shm (int64 ids, no mask)."""
     return dtype_bytes(dtype) * hidden_size * (n_aux + 1) + DUMP_ID_BYTES

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -82,11 +83,14 @@ def settings_of(cfg: Any) -> StreamSettings | None:
     return StreamSettings(**{f.name: getattr(s, f.name) for f in fields(StreamConfig)})
 
 
-def check_window(ss: StreamSettings, largest_chunk_bytes: int, run_bytes: int) -> None:
+def check_window(
+    ss: StreamSettings, largest_chunk_bytes: int, run_bytes: int, basis: str = ""
+) -> None:
     """Refuse a budget the trainer cannot make progress in, in one sentence with the numbers.
 
     The trainer needs its whole window on disk before it can reach the checkpoint that
-    acks any of it; a smaller budget waits forever on both sides.
+    acks any of it; a smaller budget waits forever on both sides.  ``basis``: how the
+    chunk bytes were estimated (measured, or the codec's), said in the sentence.
     """
     w = ss.window_chunks()
     # A trainer stalled for its next chunk still holds up to w - 1 chunks unacked (all
@@ -102,8 +106,8 @@ def check_window(ss: StreamSettings, largest_chunk_bytes: int, run_bytes: int) -
             f"between checkpoints + 1) = {w} chunks, or {w - 1} chunks / stream.low_mark "
             f"{ss.low_mark:g} = {(w - 1) / ss.low_mark:.3g} (the gate reopens below the low "
             f"mark), x {human(largest_chunk_bytes)} (the largest chunk's estimate) = "
-            f"{human(need)}; raise stream.budget_gb or shrink the window (stream.* keys, or "
-            "smaller chunks: n_chunks)"
+            f"{human(need)}{basis}; raise stream.budget_gb or shrink the window (stream.* "
+            "keys, or smaller chunks: n_chunks)"
         )
     if ss.epochs_mode == "keep" and ss.passes > 1 and ss.budget_bytes < run_bytes:
         raise BudgetRefused(
@@ -358,13 +362,51 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def measured_bytes_per_token(st: StreamState) -> float | None:
+    """The largest bytes/token of the chunks announced so far (the codec's real ratio,
+    the header's share included), or None before the first."""
+    return max((c["bytes"] / c["tokens"] for c in st.chunks.values() if c.get("tokens")),
+               default=None)  # fmt: skip
+
+
 def estimate_bytes(st: StreamState, tokens: int, raw_bytes_per_token: int) -> int:
     """A chunk's size before it exists: its tokens at the largest bytes/token announced so
-    far (the codec's real ratio), or uncompressed while nothing is."""
-    seen = [c["bytes"] / c["tokens"] for c in st.chunks.values() if c.get("tokens")]
-    if seen:  # the header's share is in the ratio already
-        return int(tokens * max(seen)) + 1
+    far (the codec's real ratio), or at ``raw_bytes_per_token`` (the codec's size before
+    any is measured: stream.producer) while nothing is."""
+    seen = measured_bytes_per_token(st)
+    if seen is not None:
+        return int(tokens * seen) + 1
     return tokens * raw_bytes_per_token + HEADER_SLACK
+
+
+def check_room(
+    ss: StreamSettings, st: StreamState, *, raw_bytes_per_token: int, ratio_known: bool,
+    largest_tokens: int, run_tokens: int,
+) -> None:  # fmt: skip
+    """:func:`check_window` at the bytes/token the gate knows: measured on the chunks
+    announced so far, else the codec's (``raw_bytes_per_token``, exact for ``none`` and
+    ``fp8``).  A lossless codec's ratio depends on the states: before its first chunk is
+    measured only the uncompressed size bounds it, and sizing the window at that refused
+    budgets the stored bytes hold (a 5 % budget of a lossless run needed ~1.5x the chunks).
+    So until then only one chunk must fit (one that cannot would wait for acks of nothing),
+    and each gate checks the window again, waiting ones too, once a chunk is measured: a
+    budget too small is refused before the trainer's window fills it."""
+    seen = measured_bytes_per_token(st)
+    if seen is not None:
+        check_window(ss, math.ceil(largest_tokens * seen), math.ceil(run_tokens * seen),
+                     f", at {seen:,.0f} B/token (the largest of the chunks announced)")  # fmt: skip
+    elif ratio_known:
+        bpt = raw_bytes_per_token
+        check_window(ss, largest_tokens * bpt, run_tokens * bpt, f", at {bpt:,} B/token")
+    elif largest_tokens * raw_bytes_per_token + HEADER_SLACK > ss.budget_bytes:
+        one = largest_tokens * raw_bytes_per_token + HEADER_SLACK
+        raise BudgetRefused(
+            f"stream.budget_gb {ss.budget_gb:.6g} ({human(ss.budget_bytes)}) cannot hold the "
+            f"largest chunk before one is measured: {largest_tokens:,} tokens x "
+            f"{raw_bytes_per_token:,} B/token uncompressed = {human(one)} (storage.codec "
+            "lossless: its ratio is known once a chunk is written); raise stream.budget_gb "
+            "or use smaller chunks (n_chunks)"
+        )
 
 
 def wait_for_room(
@@ -378,6 +420,7 @@ def wait_for_room(
     run_tokens: int,
     on_wait: Callable[[dict[str, Any]], None] | None = None,
     redo_of: tuple[str, int] | None = None,
+    ratio_known: bool = True,
 ) -> dict[str, Any]:
     """Block until this chunk fits the budget, then reserve its estimate; the figures.
 
@@ -385,21 +428,20 @@ def wait_for_room(
     for every chunk job until unacked bytes fall to ``low_mark x budget``.  A waiting job
     watches the ack file (its size and mtime) with a poll of at most ``poll_s``.
     ``redo_of``: (chunk, pass) when ``chunk`` is the gate's key for another pass's job.
+    ``raw_bytes_per_token``: a chunk's bytes/token before any is measured, exact unless
+    ``ratio_known`` is false (a lossless codec: an upper bound), see :func:`check_room`.
     """
     run_dir = Path(run_dir)
     sdir = stream_dir(run_dir)
     t0 = time.monotonic()
     last_report = -REPORT_EVERY_S
     last_seen: tuple[float, int] | None = None
-    first = True
     sampled: dict[str, Any] | None = None
     while True:
         with locked(sdir):
             st = read_state(sdir)
-            if first:
-                bpt = raw_bytes_per_token
-                check_window(ss, largest_tokens * bpt, run_tokens * bpt)
-                first = False
+            check_room(ss, st, raw_bytes_per_token=raw_bytes_per_token, ratio_known=ratio_known,
+                       largest_tokens=largest_tokens, run_tokens=run_tokens)  # fmt: skip
             if delete_acked(run_dir, st, ss.final_pass):
                 st = read_state(sdir)
                 record_usage(run_dir, st, ss, "delete", chunk)
