@@ -178,19 +178,25 @@ def chunk_pass_inputs(wildcards):
             f"hidden/pass{p}/ is pass {p} of stream.epochs_mode regenerate, which this config "
             "does not run (set stream.budget_gb, epochs_mode: regenerate, passes >= 2)"
         )
-    return {**chunk_inputs(wildcards), "before": [ancient(f) for f in receipts_of_pass(p - 1)]}
+    return {
+        **chunk_inputs(wildcards, pass_=p),
+        "before": [ancient(f) for f in receipts_of_pass(p - 1)],
+    }
 
 
-def chunk_inputs(wildcards):
+def chunk_inputs(wildcards, pass_=1):
     """A chunk job's inputs once plan_chunks has run (Snakemake re-evaluates it then).
 
     The plan is the trigger: newer than the chunk's output if the plan lists the chunk,
-    ancient() otherwise, so only chunks whose records changed are redone.
+    ancient() otherwise, so only chunks whose records changed are redone.  A later pass's
+    job (extract_chunk_pass) is redone when the plan lists its pass-1 chunk (records
+    changed) or its own (plan.plan_key: its payload lost before its ack).
     """
-    from hsextract.plan import to_extract
+    from hsextract.plan import plan_key, to_extract
 
     plan = checkpoints.plan_chunks.get().output.plan
-    redo = f"chunk_{wildcards.chunk}" in to_extract(plan)
+    name, listed = f"chunk_{wildcards.chunk}", to_extract(plan)
+    redo = name in listed or plan_key(name, pass_) in listed
     return {
         "plan": plan if redo else ancient(plan),
         "index": ancient(run_path("chunks/index.json")),

@@ -331,3 +331,28 @@ def test_the_bound_holds_across_many_jobs(tmp_path: Path) -> None:
     assert overs == [0] * 6
     assert usage.read_text() == "0"
     assert not [p for p in (dump / budget.LEDGER_DIR).iterdir() if p.name != "lock"]
+
+
+def test_under_a_stream_budget_the_output_disk_needs_the_budget_not_the_run(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Issue 39: the stream deletes what the trainer acked, so a disk that holds
+    stream.budget_gb + the largest chunk, not the run's 5 TB, is enough; without a budget
+    it is not.  On e4eb6ed the preflight asked for the whole run under a budget too."""
+    _patch_free(monkeypatch, {"results": 200 * GB, "dump": 100 * GB})
+    largest = 1_000_000  # tokens: ~57 GB at 57,349 B/token
+    with pytest.raises(BudgetError, match=r"87,800,000 tokens"):
+        preflight(**_args(tmp_path))  # offline: the run's ~5 TB
+    r = preflight(**_args(tmp_path), stream_budget_bytes=100 * GB, largest_chunk_tokens=largest)
+    assert r["output_bytes_needed"] == int((100 * GB + largest * 57349) * 1.02)
+    # The budget and one chunk must still fit: a smaller disk is refused naming both.
+    _patch_free(monkeypatch, {"results": 120 * GB, "dump": 100 * GB})
+    with pytest.raises(BudgetError) as e:
+        preflight(**_args(tmp_path), stream_budget_bytes=100 * GB, largest_chunk_tokens=largest)
+    msg = str(e.value)
+    assert "stream.budget_gb (100.0 GB) + the largest chunk (1,000,000 tokens" in msg
+    assert "has 120.0 GB free" in msg
+    # A run smaller than its budget needs its own bytes only.
+    small = preflight(**_args(tmp_path, total_tokens=10), stream_budget_bytes=100 * GB,
+                      largest_chunk_tokens=10)  # fmt: skip
+    assert small["output_bytes_needed"] == int(10 * 57349 * 1.02)

@@ -153,7 +153,9 @@ def test_no_message_writes_a_snakemake_command_by_hand():
     """Every suggested command goes through hsextract.commands (one renderer)."""
     # A message's command: in single backticks, or a string starting with it (a docstring's
     # ``snakemake -n`` names the program, it suggests nothing).
-    bare = re.compile(r"(?<!`)(`|[\"'])(snakemake -[jn]|hsextract (server|plan|status|run-dir)\b)")
+    bare = re.compile(
+        r"(?<!`)(`|[\"'])(snakemake -[jn]|hsextract (server|plan|status|stream|run-dir)\b)"
+    )
     found = [
         f"{path.relative_to(REPO)}:{i}"
         for root in ("src", "scripts", "rules")

@@ -277,6 +277,61 @@ def test_a_budget_below_the_trainer_window_is_refused_naming_the_numbers():
                           largest_chunk_bytes=int(1e9), run_bytes=int(16e9))  # fmt: skip
 
 
+def test_the_window_is_sized_at_the_measured_bytes_per_token_not_the_raw(tmp_path):
+    """Announced chunks measure the codec's real ratio (a lossless run's store ~0.65 of
+    their raw bytes; here the raw bytes/token the job passes are 3x the stored).  On
+    e4eb6ed the window was sized at the raw bytes/token: a budget the stored chunks hold
+    was refused.  Too small a budget is still refused, naming the measured figure."""
+    import re
+
+    sides = make_run(tmp_path, [4, 4])  # announced: 12 tokens each
+    size = (tmp_path / sides[0]["path"]).stat().st_size
+    measured = size / sides[0]["tokens"]
+    kw = dict(tokens=12, raw_bytes_per_token=int(3 * measured), largest_tokens=12, run_tokens=48)
+    # Window: 1 x 1 + 1 + 1 = 3 chunks (2 / 0.75 = 2.67): 3 stored chunks, 9 at raw.
+    ss = settings(int(4 * size), prefetch_chunks=1, checkpoint_chunks=1)
+    got = gate.wait_for_room(tmp_path, ss, chunk="chunk_00002", **kw)
+    assert got["estimate_bytes"] == int(12 * measured) + 1
+    gate.release(tmp_path, "chunk_00002")
+    small = settings(int(2.5 * size), prefetch_chunks=1, checkpoint_chunks=1)
+    said = re.escape(f"at {measured:,.0f} B/token (the largest of the chunks announced)")
+    with pytest.raises(gate.BudgetRefused, match=said):
+        gate.wait_for_room(tmp_path, small, chunk="chunk_00002", **kw)
+
+
+def test_before_a_lossless_chunk_is_measured_one_chunk_must_fit(tmp_path):
+    """A lossless codec's ratio is unknown until a chunk is written: the first gate asks
+    only that one chunk fit uncompressed (the window is checked once one is measured);
+    an exact codec's window is checked at once.  On e4eb6ed both refused at raw."""
+    kw = dict(tokens=1000, raw_bytes_per_token=1000, largest_tokens=1000, run_tokens=16000)
+    ss = settings(2_000_000, prefetch_chunks=1, checkpoint_chunks=1)  # window: 3 MB raw
+    got = gate.wait_for_room(tmp_path, ss, chunk="chunk_00000", ratio_known=False, **kw)
+    assert got["estimate_bytes"] == 1000 * 1000 + gate.HEADER_SLACK
+    gate.release(tmp_path, "chunk_00000")
+    with pytest.raises(gate.BudgetRefused, match="smaller than the trainer's window"):
+        gate.wait_for_room(tmp_path, ss, chunk="chunk_00000", **kw)  # codec none: exact
+    with pytest.raises(gate.BudgetRefused, match="cannot hold the largest chunk before one"):
+        gate.wait_for_room(tmp_path, settings(1_000_000), chunk="chunk_00000",
+                           ratio_known=False, **kw)  # fmt: skip
+
+
+def test_fp8s_bytes_per_token_are_its_layouts(tmp_path):
+    """The gate's fp8 figure before any chunk is measured is the file's own layout."""
+    from hsextract.budget import stored_bytes_per_token
+    from hsextract.chunkfile import ChunkLayout
+
+    path = tmp_path / "c.safetensors"
+    w = ChunkWriter(path, [5, 7], hidden_size=H, n_aux=K, dtype=torch.float32, codec="fp8",
+                    metadata={"record_ids": json.dumps(["a", "b"])})  # fmt: skip
+    for j, t in enumerate([5, 7]):
+        w.put(j, torch.zeros(t, dtype=torch.int32), torch.ones(t, dtype=torch.uint8),
+              torch.randn(t, H), torch.randn(t, K * H))  # fmt: skip
+    w.finish()
+    bpt, exact = stored_bytes_per_token("fp8", H, K, "float32")
+    assert exact and bpt * 12 == ChunkLayout(path).stored_bytes() + 5 * 12  # + ids, mask
+    assert stored_bytes_per_token("lossless", H, K, "float32") == (4 * H * (K + 1) + 5, False)
+
+
 def test_the_gate_waits_for_acks_and_resumes_below_the_low_mark(tmp_path):
     sides = make_run(tmp_path, [4, 4, 4, 4, 4])
     size = (tmp_path / sides[0]["path"]).stat().st_size

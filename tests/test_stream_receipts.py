@@ -131,6 +131,53 @@ def test_a_payload_lost_before_its_ack_keeps_its_room_and_its_redo_passes_the_ga
     t.join(60)
 
 
+def test_stream_gc_frees_what_was_acked_after_the_last_job_and_names_what_it_leaves(
+    tmp_path, monkeypatch, capsys
+):
+    """Acks that land after the last chunk job ran: no gate looks again, so on e4eb6ed the
+    payloads stayed (no command).  `hsextract stream gc` frees them by the producer's
+    rules, and leaves a file whose bytes changed (same size: only the sha256 tells) or
+    that is not the size announced, naming each; `hsextract status` names the command."""
+    from hsextract.cli import main
+
+    wd = make_workdir(tmp_path / "w", **CONFIG)
+    monkeypatch.chdir(wd)  # the commands in-process, as a user runs them in the workdir
+
+    def hsx(*args: str) -> tuple[int, str]:
+        rc = main([*args, "--configfile", "config.yaml"])
+        return rc, capsys.readouterr().out
+
+    rd = wd / hsx("run-dir")[1].strip()
+    sides = [one_chunk(rd, i) for i in range(3)]
+    for s in sides:
+        journal.announce(rd, n_chunks=3, **s)
+    journal.AckWriter(rd).ack([0, 1, 2])
+    changed = rd / sides[1]["path"]
+    data = bytearray(changed.read_bytes())
+    data[0] ^= 0xFF
+    changed.write_bytes(bytes(data))
+    users = rd / sides[2]["path"]
+    users.write_bytes(b"a user's file")
+
+    status = hsx("status")[1]
+    assert "2 payload(s) acknowledged by the trainer" in status, status
+    assert "`hsextract stream gc --configfile " in status
+
+    rc, out = hsx("stream", "gc")
+    assert rc == 0, out
+    assert not (rd / sides[0]["path"]).exists()
+    assert changed.read_bytes() == bytes(data) and users.read_bytes() == b"a user's file"
+    assert f"left {sides[1]['path']}: its bytes are not the announced sha256" in out
+    assert f"left {sides[2]['path']}: 13 bytes, announced 1024" in out
+    assert "freed 1 payload(s) acknowledged by the trainer, 1.02e-06 GB" in out
+    deleted = journal.read_lines(rd / "stream" / "deleted.jsonl")
+    assert [(d["chunk"], d["why"], d["sha256"]) for d in deleted] == [
+        ("chunk_00000", "ack", sides[0]["sha256"])
+    ]
+    sample = journal.read_lines(rd / "stream" / "usage.jsonl")[-1]
+    assert sample["event"] == "gc" and sample["payload_bytes"] == 1024 + 13
+
+
 def test_regenerated_counts_the_later_passes_matching_pass_1(tmp_path):
     from hsextract.stream.receipts import regenerated
 
@@ -141,6 +188,50 @@ def test_regenerated_counts_the_later_passes_matching_pass_1(tmp_path):
         journal.announce(tmp_path, n_chunks=2, pass_=2, **{**s, "sha256": s["sha256"] if i == 0
                          else "e" * 64})  # fmt: skip
     assert regenerated(tmp_path) == {"2": {"chunks": 2, "matched": 1, "differ": ["chunk_00001"]}}
+
+
+def test_a_later_pass_payload_lost_before_its_ack_is_planned_as_pass_1s_is(tmp_path):
+    """epochs_mode regenerate: a pass-2 payload gone before its ack (its receipt there)
+    is in the plan's trigger and the plan, named pass2/chunk_X; one the stream freed
+    after its ack is done.  On e4eb6ed the plan scanned hidden/ only: nothing to redo."""
+    from hsextract.plan import changed_note, make_plan
+    from hsextract.records import INDEX_FORMAT
+
+    fp = "f" * 12
+    index = tmp_path / "chunks" / "index.json"
+    index.parent.mkdir()
+    entries = [{"path": f"chunks/chunk_{i:05d}.jsonl", "tokens": 6, "records": 2,
+                "content_digest": f"d{i}"} for i in range(2)]  # fmt: skip
+    index.write_text(json.dumps({"format": INDEX_FORMAT, "n_chunks": 2, "chunks": entries}))
+    for p in (1, 2):
+        for i in range(2):
+            side = one_chunk(tmp_path, i)
+            if p == 2:  # hidden/pass2/chunk_X, as extract_chunk_pass writes it
+                src = tmp_path / side["path"]
+                dst = tmp_path / "hidden" / "pass2" / src.name
+                dst.parent.mkdir(exist_ok=True)
+                dst.write_bytes(src.read_bytes())
+                side["path"] = f"hidden/pass2/{src.name}"
+            out = tmp_path / side["path"]
+            meta = {"fingerprint": fp, "content_digest": f"d{i}", "bytes": out.stat().st_size,
+                    "sha256": side["sha256"], "records": 2}  # fmt: skip
+            out.with_suffix(".json").write_text(json.dumps(meta))
+            journal.announce(tmp_path, n_chunks=2, pass_=p, **side)
+    plan = tmp_path / "state" / "plan.json"
+    plan.parent.mkdir()
+    assert make_plan(tmp_path, index, fp, plan)["extract"] == []
+    before = changed_note(tmp_path)
+    # Pass 2's chunk 0 acked and freed by the stream; its chunk 1 lost before its ack.
+    seqs = {(c["chunk"], c["pass"]): c["seq"] for c in chunk_lines(tmp_path)}
+    journal.AckWriter(tmp_path).ack([seqs["chunk_00000", 2]], pass_=2)
+    st = journal.read_state(tmp_path / "stream")
+    assert gate.delete_acked(tmp_path, st, 1) == ["hidden/pass2/chunk_00000.safetensors"]
+    (tmp_path / "hidden" / "pass2" / "chunk_00001.safetensors").unlink()
+    assert changed_note(tmp_path) != before  # the trigger: the next extract_all plans again
+    got = make_plan(tmp_path, index, fp, plan)
+    assert got["extract"] == ["pass2/chunk_00001"], got
+    assert "lost before the trainer's ack" in got["reasons"]["pass2/chunk_00001"]
+    assert got["current"] == 2  # pass 1's chunks, as before
 
 
 @pytest.mark.workflow
@@ -286,6 +377,19 @@ def test_regenerate_pass_2_re_extracts_the_deleted_chunks_and_the_report_counts_
         assert [e["pass"] for e in ends] == [1, 2]
         page = (rd / "report" / "run.html").read_text()
         assert "pass 2 re-extracted" in page and "4 chunks, 4 with pass 1&#x27;s sha256" in page
+        assert "Nothing to be done" in run_snakemake(wd, "-n", "extract_all").stdout
+
+        # A pass-2 payload lost before its ack: planned (dry run), redone past the gate,
+        # announced once -- as pass 1's (on e4eb6ed: "Nothing to be done").
+        (rd / "hidden" / "pass2" / "chunk_00001.safetensors").unlink()
+        dry = planned_jobs(run_snakemake(wd, "-n", "extract_all").stdout)
+        assert dry.get("plan_chunks") == 1 and dry.get("extract_chunk_pass"), dry
+        res = run_snakemake(wd, "-j1", "extract_all")
+        out = res.stdout + res.stderr
+        assert out.count("rule extract_chunk_pass:") == 1, out[-3000:]
+        assert "rule extract_chunk:" not in out
+        assert (rd / "hidden" / "pass2" / "chunk_00001.safetensors").exists()
+        assert chunk_lines(rd) == lines  # nothing announced again
         assert "Nothing to be done" in run_snakemake(wd, "-n", "extract_all").stdout
 
         # The trainer's pass 2 reads the re-extracted chunks: every record once.

@@ -55,6 +55,18 @@ def bytes_per_token(hidden_size: int, n_aux: int, dtype: Any) -> int:
     return dtype_bytes(dtype) * hidden_size * (n_aux + 1) + ID_BYTES + MASK_BYTES
 
 
+def stored_bytes_per_token(
+    codec: str, hidden_size: int, n_aux: int, dtype: Any
+) -> tuple[int, bool]:
+    """A chunk file's bytes per token under ``storage.codec`` before any is measured, and
+    whether that is exact: ``none`` stores the raw rows, ``fp8`` one byte per element
+    plus a float32 scale per token per layer (chunkfile's layout), both exact; ``lossless``
+    depends on the states (zstd on their byte planes), so only the raw size bounds it."""
+    if codec == "fp8":
+        return (hidden_size + 4) * (n_aux + 1) + ID_BYTES + MASK_BYTES, True
+    return bytes_per_token(hidden_size, n_aux, dtype), codec != "lossless"
+
+
 def dump_bytes_per_token(hidden_size: int, n_aux: int, dtype: Any) -> int:
     """Bytes per token of a dump piece in /dev/shm (int64 ids, no mask)."""
     return dtype_bytes(dtype) * hidden_size * (n_aux + 1) + DUMP_ID_BYTES
@@ -479,16 +491,25 @@ def preflight(
     chunked_prefill_size: int = -1,
     free_bytes: Callable[[Path], int] | None = None,
     headroom: float = 0.02,
+    stream_budget_bytes: int | None = None,
+    largest_chunk_tokens: int = 0,
 ) -> dict[str, Any]:
     """Check both budgets; return the figures or raise BudgetError naming the key to change.
 
     ``headroom`` is the fraction of the estimate kept free on top (safetensors headers,
     sidecars, filesystem slack).  ``free_bytes`` defaults to :func:`probe_free_bytes`,
     looked up at call time so tests can patch the module attribute.
+    ``stream_budget_bytes`` (stream.budget_gb): the stream deletes what the trainer acked,
+    so the output disk holds at most the budget plus the chunk a job writes past it (the
+    largest, ``largest_chunk_tokens``), or the tokens left if fewer: the run's bytes would
+    refuse exactly the runs a budget is for.
     """
     probe = free_bytes or (lambda p: probe_free_bytes(p))
     bpt = bytes_per_token(hidden_size, n_aux, dtype)
-    out_need = int(total_tokens * bpt * (1 + headroom))
+    written = total_tokens * bpt
+    if stream_budget_bytes is not None:
+        written = min(written, stream_budget_bytes + largest_chunk_tokens * bpt)
+    out_need = int(written * (1 + headroom))
     out_free = probe(Path(output_root))
     per_request = (
         dump_bytes_for_request(max_len, hidden_size, n_aux, dtype, chunked_prefill_size)
@@ -502,6 +523,8 @@ def preflight(
         "bytes_per_token": bpt,
         "total_tokens": total_tokens,
         "output_bytes_needed": out_need,
+        "stream_budget_bytes": stream_budget_bytes,
+        "largest_chunk_tokens": largest_chunk_tokens,
         "output_root": str(output_root),
         "output_free_bytes": out_free,
         "max_len": max_len,
@@ -525,7 +548,20 @@ def preflight(
 def _problems(r: dict[str, Any], hidden_size: int, n_aux: int, dtype: Any) -> list[str]:
     """Each failed budget as one sentence: the numbers, then what to change."""
     out = []
-    if r["output_bytes_needed"] > r["output_free_bytes"]:
+    capped = r.get("stream_budget_bytes") is not None and (
+        r["stream_budget_bytes"] + r["largest_chunk_tokens"] * r["bytes_per_token"]
+        < r["total_tokens"] * r["bytes_per_token"]
+    )
+    if r["output_bytes_needed"] > r["output_free_bytes"] and capped:
+        out.append(
+            f"output: the stream holds at most stream.budget_gb "
+            f"({human(r['stream_budget_bytes'])}) + the largest chunk "
+            f"({r['largest_chunk_tokens']:,} tokens x {r['bytes_per_token']:,} B/token) = "
+            f"{human(r['output_bytes_needed'])} with headroom, but {r['output_root']} has "
+            f"{human(r['output_free_bytes'])} free; free space there, lower stream.budget_gb "
+            "or change output_root"
+        )
+    elif r["output_bytes_needed"] > r["output_free_bytes"]:
         out.append(
             f"output: {r['total_tokens']:,} tokens x {r['bytes_per_token']:,} B/token "
             f"(H={hidden_size}, {n_aux} aux + final, {dtype}) = "

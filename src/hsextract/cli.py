@@ -10,6 +10,7 @@ hsextract run-dir [--configfile F]
 hsextract export specforge --manifest M [--out DIR] [--gzip]
 hsextract export speculators --manifest M [--out DIR]      (needs prenorm_final: true)
 hsextract status [--configfile F] [--json] [--window S]
+hsextract stream gc [--configfile F]      (stream.budget_gb: free payloads the trainer acked)
 """
 
 from __future__ import annotations
@@ -225,7 +226,7 @@ def manifest_path(path: Path) -> Path:
 def _plan(args: argparse.Namespace) -> int:
     """Which chunks the next run re-extracts, from the current split; touches nothing."""
     from hsextract.config import fingerprint, run_dir
-    from hsextract.plan import changed_inputs, chunk_states
+    from hsextract.plan import changed_inputs, chunk_states, later_pass_states
     from hsextract.sizing import chunk_sizing, sizing_report
 
     cfg = _load(args)
@@ -245,7 +246,7 @@ def _plan(args: argparse.Namespace) -> int:
     print(
         f"{rd}: {len(todo)} of {len(states)} chunk(s) to extract, {len(states) - len(todo)} current"
     )
-    for s in todo:
+    for s in todo + later_pass_states(rd, index, fingerprint(cfg)):
         print(f"  {s.chunk}: {s.reason}")
     if changed:
         # Which chunks a changed shard touches is known only once the merge and split
@@ -281,6 +282,38 @@ def _status(args: argparse.Namespace) -> int:
 
             paused = "paused, chunk jobs wait" if stream["paused"] else "open"
             print(f"stream: {waiting_text(stream)}; gate {paused}")
+            if stream["acked_on_disk"]:
+                print(
+                    f"stream: {stream['acked_on_disk']} payload(s) acknowledged by the trainer, "
+                    f"{stream['acked_on_disk_bytes'] / 1e9:.3g} GB, still on disk: the next "
+                    f"chunk job's gate deletes them, or now `{hsextract_command('stream', 'gc')}`"
+                )
+    return 0
+
+
+def _stream(args: argparse.Namespace) -> int:
+    """``stream gc``: delete the payloads the trainer acked since the last chunk job
+    looked (stream.gate.gc: the producer's own rules), say what it freed and left."""
+    from hsextract.config import run_dir
+    from hsextract.stream.gate import gc, settings_of
+
+    cfg = _load(args)
+    ss = settings_of(cfg)
+    rd = run_dir(cfg)
+    if ss is None:
+        raise HsextractError(
+            f"{rd}: stream.budget_gb is null in this config, so its run has no stream and "
+            "nothing is deleted after a trainer's ack; pass the config the run streamed with"
+        )
+    if not (rd / "stream").is_dir():
+        raise HsextractError(f"{rd} has no stream/ dir: no chunk was announced to a trainer yet")
+    got = gc(rd, ss)
+    for path, why in got["left"]:
+        print(f"left {path}: {why}")
+    print(
+        f"freed {len(got['deleted'])} payload(s) acknowledged by the trainer, "
+        f"{got['freed_bytes'] / 1e9:.3g} GB ({rd})"
+    )
     return 0
 
 
@@ -332,6 +365,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--window", type=float, default=300.0, help="seconds of the recent rate (%(default)s)"
     )
     p.set_defaults(func=_status)
+    p = sub.add_parser("stream", help="train while extracting (stream.budget_gb)")
+    p.add_argument(
+        "action",
+        choices=["gc"],
+        help="gc: delete the payloads the trainer acknowledged (the producer's own rules)",
+    )
+    _add_config_args(p)
+    p.set_defaults(func=_stream)
     p = sub.add_parser("run-dir", help="print the run directory (fingerprint) of a config")
     _add_config_args(p)
     p.set_defaults(func=_run_dir)

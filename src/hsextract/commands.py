@@ -163,7 +163,7 @@ def hsextract_command(
     with_config: bool = True,
 ) -> str:
     """``hsextract ARGS --configfile ... --config ...`` for a subcommand that reads the
-    config (server, plan, status, run-dir), as it works pasted here; ``with_config=False``
+    config (server, plan, status, stream, run-dir), as it works pasted here; ``with_config=False``
     for one that takes paths only (export, verify, inspect): its arguments, quoted."""
     argv = ["hsextract", *(str(a) for a in args)]
     if not with_config:

@@ -94,6 +94,30 @@ def changed_inputs(
 
 #: Names of the files a chunk job writes under hidden/.
 _CHUNK_RE = re.compile(r"chunk_(\d{5})\.(safetensors|json)")
+#: A later pass's dir under hidden/ (stream.epochs_mode regenerate: rule extract_chunk_pass).
+_PASS_RE = re.compile(r"pass([1-9]\d*)")
+
+
+def pass_dir(run_dir: Path, pass_: int = 1) -> Path:
+    """Where pass ``pass_``'s chunk files and receipts are: hidden/, or hidden/pass<p>/."""
+    hidden = Path(run_dir) / "hidden"
+    return hidden if pass_ == 1 else hidden / f"pass{pass_}"
+
+
+def later_passes(run_dir: Path) -> list[int]:
+    """The passes > 1 that have a dir under hidden/ (none offline or in one pass)."""
+    try:
+        with os.scandir(Path(run_dir) / "hidden") as entries:
+            found = [_PASS_RE.fullmatch(e.name) for e in entries if e.is_dir()]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(p for p in (int(m.group(1)) for m in found if m) if p > 1)
+
+
+def plan_key(chunk: str, pass_: int = 1) -> str:
+    """A chunk's name in the plan: pass 1's bare (``chunk_00003``), a later pass's with its
+    dir (``pass2/chunk_00003``), as its receipt is named under hidden/."""
+    return chunk if pass_ == 1 else f"pass{pass_}/{chunk}"
 
 
 @dataclass(frozen=True)
@@ -104,9 +128,16 @@ class ChunkState:
 
 
 def chunk_states(
-    run_dir: Path, index_path: Path, fingerprint: str, *, rehash: bool = True, restamp: bool = False
+    run_dir: Path,
+    index_path: Path,
+    fingerprint: str,
+    *,
+    rehash: bool = True,
+    restamp: bool = False,
+    pass_: int = 1,
 ) -> list[ChunkState]:
     """Each indexed chunk: is its hidden-state file current, and if not, why not.
+    ``pass_``: of that pass's files (hidden/pass<p>/, stream.epochs_mode regenerate).
 
     A chunk file newer than its sidecar was written to after its extraction: with
     ``rehash`` it is hashed, and current only if its bytes are still the sidecar's sha256;
@@ -118,8 +149,8 @@ def chunk_states(
     its sidecar's mtime, as a chunk job leaves it, so that no later plan hashes it again.
     """
     index = read_index(index_path)
-    hidden = Path(run_dir) / "hidden"
-    freed = _freed(Path(run_dir))
+    hidden = pass_dir(Path(run_dir), pass_)
+    freed = _freed(Path(run_dir), pass_)
     out = []
     for entry in index["chunks"]:
         name = Path(entry["path"]).stem
@@ -127,14 +158,38 @@ def chunk_states(
     return out
 
 
-def _freed(run_dir: Path) -> dict[str, dict[str, Any]]:
-    """Payloads the stream deleted after the trainer's ack (stream.receipts): done, not
-    missing.  No stream dir (an offline run): none, and the stream is not imported."""
+def _freed(run_dir: Path, pass_: int = 1) -> dict[str, dict[str, Any]]:
+    """Payloads of pass ``pass_`` the stream deleted after the trainer's ack
+    (stream.receipts): done, not missing.  No stream dir (an offline run): none, and the
+    stream is not imported."""
     if not (run_dir / "stream").is_dir():
         return {}
     from hsextract.stream.receipts import deleted_after_ack
 
-    return deleted_after_ack(run_dir)
+    return deleted_after_ack(run_dir, pass_)
+
+
+def later_pass_states(
+    run_dir: Path, index_path: Path, fingerprint: str, *, rehash: bool = True,
+    restamp: bool = False,
+) -> list[ChunkState]:  # fmt: skip
+    """Chunks of later passes (hidden/pass<p>/) whose receipt is there and whose chunk file
+    is not current -- lost before its ack, above all -- named by :func:`plan_key`.  A pass-p
+    chunk shares its pass-1 chunk's plan trigger (records changed redo every pass); these
+    are its own: the plan lists them and extract_chunk_pass redoes them, as extract_chunk
+    redoes pass 1's.  One without a receipt is a missing output: Snakemake runs it anyway."""
+    out = []
+    for p in later_passes(Path(run_dir)):
+        where = pass_dir(Path(run_dir), p)
+        for s in chunk_states(run_dir, index_path, fingerprint, rehash=rehash,
+                              restamp=restamp, pass_=p):  # fmt: skip
+            if s.current or not (where / f"{s.chunk}.json").exists():
+                continue
+            why = s.reason
+            if not (where / f"{s.chunk}.safetensors").exists():
+                why = "its chunk file is gone, its receipt is not (lost before the trainer's ack)"
+            out.append(ChunkState(plan_key(s.chunk, p), False, f"pass {p}: {why}"))
+    return out
 
 
 def _state(
@@ -269,27 +324,31 @@ def changed_note(run_dir: Path) -> str:
 def _lost(run_dir: Path) -> list[list[Any]]:
     """Under a stream (stream.budget_gb), chunks whose sidecar -- the rule's output, the
     receipt -- is there and whose chunk file is not, though the stream did not free it
-    after an ack: lost before its ack (or removed by hand).  In the changed note's name,
-    so the next extract_all plans again and redoes them.  Offline: none (a missing chunk
-    file is a missing output there)."""
+    after an ack: lost before its ack (or removed by hand).  Of every pass (hidden/ and
+    hidden/pass<p>/, named by :func:`plan_key`).  In the changed note's name, so the next
+    extract_all plans again and redoes them.  Offline: none (a missing chunk file is a
+    missing output there)."""
     if not (run_dir / "stream").is_dir():
         return []
-    try:
-        names = set(os.listdir(run_dir / "hidden"))
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    gone = sorted(
-        n.removesuffix(".json")
-        for n in names
-        if _CHUNK_RE.fullmatch(n) and n.endswith(".json")
-        and n.replace(".json", ".safetensors") not in names
-    )  # fmt: skip
-    if not gone:
-        return []
-    from hsextract.stream.receipts import deleted_after_ack
+    out: list[list[Any]] = []
+    for p in [1, *later_passes(run_dir)]:
+        try:
+            names = set(os.listdir(pass_dir(run_dir, p)))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        gone = sorted(
+            n.removesuffix(".json")
+            for n in names
+            if _CHUNK_RE.fullmatch(n) and n.endswith(".json")
+            and n.replace(".json", ".safetensors") not in names
+        )  # fmt: skip
+        if not gone:
+            continue
+        from hsextract.stream.receipts import deleted_after_ack
 
-    freed = deleted_after_ack(run_dir)
-    return [["lost", c] for c in gone if c not in freed]
+        freed = deleted_after_ack(run_dir, p)
+        out += [["lost", plan_key(c, p)] for c in gone if c not in freed]
+    return out
 
 
 def _nacked(run_dir: Path) -> list[list[Any]]:
@@ -338,7 +397,8 @@ def make_plan(run_dir: Path, index_path: Path, fingerprint: str, out: Path) -> d
     states = chunk_states(run_dir, index_path, fingerprint, restamp=True)
     n = len(states)
     orphans = remove_orphans(run_dir, n)
-    todo = [s for s in states if not s.current]
+    first = [s for s in states if not s.current]
+    todo = first + later_pass_states(run_dir, index_path, fingerprint, restamp=True)
     plan = {
         # Unique per plan: Snakemake compares a small input's checksum with the one it
         # recorded for the job, and a re-extraction must never look like the last one.
@@ -348,7 +408,7 @@ def make_plan(run_dir: Path, index_path: Path, fingerprint: str, out: Path) -> d
         "n_chunks": n,
         "extract": [s.chunk for s in todo],
         "reasons": {s.chunk: s.reason for s in todo},
-        "current": n - len(todo),
+        "current": n - len(first),
         "orphans_removed": orphans,
         "nacked_removed": nacked,
     }
@@ -368,7 +428,10 @@ def _redo_nacked(run_dir: Path) -> list[str]:
 
 def summary(plan: dict[str, Any]) -> str:
     todo = plan["extract"]
-    head = f"{len(todo)} of {plan['n_chunks']} chunk(s) to extract, {plan['current']} current"
+    n = plan["n_chunks"]
+    head = f"{n - plan['current']} of {n} chunk(s) to extract, {plan['current']} current"
+    if len(todo) > n - plan["current"]:
+        head += f", and {len(todo) - (n - plan['current'])} of later passes"
     lines = [head] + [f"  {c}: {plan['reasons'][c]}" for c in todo[:20]]
     if len(todo) > 20:
         lines.append(f"  ... and {len(todo) - 20} more (state/plan.json)")

@@ -212,9 +212,24 @@ def preflight_budget(sm: Any) -> None:
         requests_in_flight=for_run(cfg).worst_case_requests(max_len) * dp.dp_size(cfg),
         shm_budget_bytes=dp.shm_budget_bytes(cfg),
         chunked_prefill_size=cfg.server.chunked_prefill_size,
+        # Under a disk budget the stream frees what the trainer acked: the disk must hold
+        # the budget and one chunk past it, not the run (budget.preflight).
+        stream_budget_bytes=_stream_budget_bytes(cfg),
+        largest_chunk_tokens=max((int(c["tokens"]) for c in todo), default=0),
     )
     report["chunks_to_extract"] = len(todo)
     write_json(Path(sm.output.report), report)
+
+
+def _stream_budget_bytes(cfg: Config) -> int | None:
+    """stream.budget_gb in bytes, as the gate counts them; None offline (the stream
+    package is then not imported)."""
+    if cfg.stream.budget_gb is None:
+        return None
+    from hsextract.stream.gate import settings_of
+
+    ss = settings_of(cfg)
+    return None if ss is None else ss.budget_bytes
 
 
 def apply_patch(sm: Any) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -82,11 +83,14 @@ def settings_of(cfg: Any) -> StreamSettings | None:
     return StreamSettings(**{f.name: getattr(s, f.name) for f in fields(StreamConfig)})
 
 
-def check_window(ss: StreamSettings, largest_chunk_bytes: int, run_bytes: int) -> None:
+def check_window(
+    ss: StreamSettings, largest_chunk_bytes: int, run_bytes: int, basis: str = ""
+) -> None:
     """Refuse a budget the trainer cannot make progress in, in one sentence with the numbers.
 
     The trainer needs its whole window on disk before it can reach the checkpoint that
-    acks any of it; a smaller budget waits forever on both sides.
+    acks any of it; a smaller budget waits forever on both sides.  ``basis``: how the
+    chunk bytes were estimated (measured, or the codec's), said in the sentence.
     """
     w = ss.window_chunks()
     # A trainer stalled for its next chunk still holds up to w - 1 chunks unacked (all
@@ -102,8 +106,8 @@ def check_window(ss: StreamSettings, largest_chunk_bytes: int, run_bytes: int) -
             f"between checkpoints + 1) = {w} chunks, or {w - 1} chunks / stream.low_mark "
             f"{ss.low_mark:g} = {(w - 1) / ss.low_mark:.3g} (the gate reopens below the low "
             f"mark), x {human(largest_chunk_bytes)} (the largest chunk's estimate) = "
-            f"{human(need)}; raise stream.budget_gb or shrink the window (stream.* keys, or "
-            "smaller chunks: n_chunks)"
+            f"{human(need)}{basis}; raise stream.budget_gb or shrink the window (stream.* "
+            "keys, or smaller chunks: n_chunks)"
         )
     if ss.epochs_mode == "keep" and ss.passes > 1 and ss.budget_bytes < run_bytes:
         raise BudgetRefused(
@@ -197,28 +201,36 @@ def unacked_bytes(run_dir: Path, st: StreamState, final_pass: int) -> int:
 
 
 def delete_acked(
-    run_dir: Path, st: StreamState, final_pass: int, *, keep: str | None = None
+    run_dir: Path,
+    st: StreamState,
+    final_pass: int,
+    *,
+    keep: str | None = None,
+    rehash: bool = False,
+    left: list[tuple[str, str]] | None = None,
 ) -> list[str]:
     """Remove the payload of every chunk acked for good; only a file the journal names,
-    under the run dir, of the size the journal recorded (anything else is not what we
-    wrote, and is left alone).  The sidecar stays (the receipt, stream.receipts); the
-    line says which bytes it stands for.  ``keep``: the path the calling job just wrote
-    (an acked chunk redone on request, its receipt forced): the user asked for it, so it
-    stays until the next job's gate."""
+    under the run dir, not a symlink, of the size the journal recorded (anything else is
+    not what we wrote, and is left alone).  The sidecar stays (the receipt,
+    stream.receipts); the line says which bytes it stands for.  ``keep``: the path the
+    calling job just wrote (an acked chunk redone on request, its receipt forced): the
+    user asked for it, so it stays until the next job's gate.  ``rehash`` (``hsextract
+    stream gc``, run by hand: it may read): also only while its bytes are the announced
+    sha256; a gate does not, it would read every payload it frees.  ``left`` gets
+    (path, why) for each acked payload left alone."""
     sdir = stream_dir(run_dir)
     gone = []
     for seq, c in sorted(st.chunks.items()):
         if not st.is_acked(seq, final_pass) or c["path"] == keep:
             continue
-        p = (run_dir / c["path"]).resolve()
-        if run_dir.resolve() not in p.parents or p.is_symlink():
+        why = _not_ours(run_dir, c, rehash)
+        if why == "gone":
             continue
-        try:
-            if p.stat().st_size != c["bytes"]:
-                continue
-        except FileNotFoundError:
+        if why is not None:
+            if left is not None:
+                left.append((c["path"], why))
             continue
-        p.unlink()
+        (run_dir / c["path"]).unlink()
         append_line(
             sdir / DELETED,
             {
@@ -233,6 +245,57 @@ def delete_acked(
         )
         gone.append(c["path"])
     return gone
+
+
+def _not_ours(run_dir: Path, line: dict[str, Any], rehash: bool) -> str | None:
+    """Why the payload an announcement names may not be deleted ("gone": nothing there),
+    or None: it is the file we announced."""
+    p = run_dir / line["path"]
+    if p.is_symlink():
+        return "a symlink, not the file we wrote"
+    if run_dir.resolve() not in p.resolve().parents:
+        return "outside the run dir"
+    try:
+        size = p.stat().st_size
+    except FileNotFoundError:
+        return "gone"
+    if size != line["bytes"]:
+        return f"{size} bytes, announced {line['bytes']}: not the file we wrote"
+    if rehash:
+        from hsextract.chunkfile import sha256_file
+
+        if sha256_file(p) != line["sha256"]:
+            return f"its bytes are not the announced sha256 {line['sha256'][:12]}...: changed"
+    return None
+
+
+def gc(run_dir: Path, ss: StreamSettings) -> dict[str, Any]:
+    """``hsextract stream gc``: free the payloads acked after the last chunk job's look
+    (deletion otherwise happens at a gate or an announcement only, and the last chunk's
+    job may have ended before the trainer's last acks).  The producer's own rules
+    (:func:`delete_acked`, with the sha256 checked), under the stream's lock, logged in
+    ``deleted.jsonl``, a usage sample after.  What it freed and what it left, and why."""
+    run_dir = Path(run_dir)
+    sdir = stream_dir(run_dir)
+    left: list[tuple[str, str]] = []
+    with locked(sdir):
+        st = read_state(sdir)
+        sizes = {c["path"]: int(c["bytes"]) for c in st.chunks.values()}
+        gone = delete_acked(run_dir, st, ss.final_pass, rehash=True, left=left)
+        record_usage(run_dir, read_state(sdir), ss, "gc", "")
+    return {"deleted": gone, "freed_bytes": sum(sizes[p] for p in gone), "left": left}
+
+
+def acked_on_disk(run_dir: Path, st: StreamState, final_pass: int) -> list[dict[str, Any]]:
+    """Announced payloads acked for good, still on disk and ours (:func:`_not_ours`, by
+    size: a status reads no payload): what the next gate, or ``hsextract stream gc``,
+    frees.  Only those the deletion log does not name are looked at."""
+    return [
+        c
+        for s, c in sorted(st.chunks.items())
+        if st.is_acked(s, final_pass) and s not in st.deleted
+        and _not_ours(run_dir, c, rehash=False) is None
+    ]  # fmt: skip
 
 
 def usage_figures(run_dir: Path, st: StreamState, ss: StreamSettings) -> dict[str, Any]:
@@ -299,13 +362,51 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def measured_bytes_per_token(st: StreamState) -> float | None:
+    """The largest bytes/token of the chunks announced so far (the codec's real ratio,
+    the header's share included), or None before the first."""
+    return max((c["bytes"] / c["tokens"] for c in st.chunks.values() if c.get("tokens")),
+               default=None)  # fmt: skip
+
+
 def estimate_bytes(st: StreamState, tokens: int, raw_bytes_per_token: int) -> int:
     """A chunk's size before it exists: its tokens at the largest bytes/token announced so
-    far (the codec's real ratio), or uncompressed while nothing is."""
-    seen = [c["bytes"] / c["tokens"] for c in st.chunks.values() if c.get("tokens")]
-    if seen:  # the header's share is in the ratio already
-        return int(tokens * max(seen)) + 1
+    far (the codec's real ratio), or at ``raw_bytes_per_token`` (the codec's size before
+    any is measured: stream.producer) while nothing is."""
+    seen = measured_bytes_per_token(st)
+    if seen is not None:
+        return int(tokens * seen) + 1
     return tokens * raw_bytes_per_token + HEADER_SLACK
+
+
+def check_room(
+    ss: StreamSettings, st: StreamState, *, raw_bytes_per_token: int, ratio_known: bool,
+    largest_tokens: int, run_tokens: int,
+) -> None:  # fmt: skip
+    """:func:`check_window` at the bytes/token the gate knows: measured on the chunks
+    announced so far, else the codec's (``raw_bytes_per_token``, exact for ``none`` and
+    ``fp8``).  A lossless codec's ratio depends on the states: before its first chunk is
+    measured only the uncompressed size bounds it, and sizing the window at that refused
+    budgets the stored bytes hold (a 5 % budget of a lossless run needed ~1.5x the chunks).
+    So until then only one chunk must fit (one that cannot would wait for acks of nothing),
+    and each gate checks the window again, waiting ones too, once a chunk is measured: a
+    budget too small is refused before the trainer's window fills it."""
+    seen = measured_bytes_per_token(st)
+    if seen is not None:
+        check_window(ss, math.ceil(largest_tokens * seen), math.ceil(run_tokens * seen),
+                     f", at {seen:,.0f} B/token (the largest of the chunks announced)")  # fmt: skip
+    elif ratio_known:
+        bpt = raw_bytes_per_token
+        check_window(ss, largest_tokens * bpt, run_tokens * bpt, f", at {bpt:,} B/token")
+    elif largest_tokens * raw_bytes_per_token + HEADER_SLACK > ss.budget_bytes:
+        one = largest_tokens * raw_bytes_per_token + HEADER_SLACK
+        raise BudgetRefused(
+            f"stream.budget_gb {ss.budget_gb:.6g} ({human(ss.budget_bytes)}) cannot hold the "
+            f"largest chunk before one is measured: {largest_tokens:,} tokens x "
+            f"{raw_bytes_per_token:,} B/token uncompressed = {human(one)} (storage.codec "
+            "lossless: its ratio is known once a chunk is written); raise stream.budget_gb "
+            "or use smaller chunks (n_chunks)"
+        )
 
 
 def wait_for_room(
@@ -319,6 +420,7 @@ def wait_for_room(
     run_tokens: int,
     on_wait: Callable[[dict[str, Any]], None] | None = None,
     redo_of: tuple[str, int] | None = None,
+    ratio_known: bool = True,
 ) -> dict[str, Any]:
     """Block until this chunk fits the budget, then reserve its estimate; the figures.
 
@@ -326,21 +428,20 @@ def wait_for_room(
     for every chunk job until unacked bytes fall to ``low_mark x budget``.  A waiting job
     watches the ack file (its size and mtime) with a poll of at most ``poll_s``.
     ``redo_of``: (chunk, pass) when ``chunk`` is the gate's key for another pass's job.
+    ``raw_bytes_per_token``: a chunk's bytes/token before any is measured, exact unless
+    ``ratio_known`` is false (a lossless codec: an upper bound), see :func:`check_room`.
     """
     run_dir = Path(run_dir)
     sdir = stream_dir(run_dir)
     t0 = time.monotonic()
     last_report = -REPORT_EVERY_S
     last_seen: tuple[float, int] | None = None
-    first = True
     sampled: dict[str, Any] | None = None
     while True:
         with locked(sdir):
             st = read_state(sdir)
-            if first:
-                bpt = raw_bytes_per_token
-                check_window(ss, largest_tokens * bpt, run_tokens * bpt)
-                first = False
+            check_room(ss, st, raw_bytes_per_token=raw_bytes_per_token, ratio_known=ratio_known,
+                       largest_tokens=largest_tokens, run_tokens=run_tokens)  # fmt: skip
             if delete_acked(run_dir, st, ss.final_pass):
                 st = read_state(sdir)
                 record_usage(run_dir, st, ss, "delete", chunk)
@@ -433,6 +534,7 @@ def summary(run_dir: Path, final_pass: int = 1, *, budget_bytes: int | None = No
     unacked = st.unacked(final_pass)
     oldest = min(unacked, key=lambda c: c["at"], default=None)
     deleted = [d for d in st.deleted.values() if d.get("why", "ack") == "ack"]
+    waiting = acked_on_disk(run_dir, st, final_pass)
     return {
         "announced": len(st.chunks),
         "acked": sum(1 for s in st.chunks if st.is_acked(s, final_pass)),
@@ -447,6 +549,8 @@ def summary(run_dir: Path, final_pass: int = 1, *, budget_bytes: int | None = No
         "deleted": len(deleted),
         "deleted_bytes": sum(d["bytes"] for d in deleted),
         "nacked": sorted(st.nacked),
+        "acked_on_disk": len(waiting),
+        "acked_on_disk_bytes": sum(int(c["bytes"]) for c in waiting),
     }
 
 

@@ -36,8 +36,11 @@ def before_send(
     index: Path,
     raw_bytes_per_token: int,
     pass_: int = 1,
+    ratio_known: bool = True,
 ) -> dict[str, Any]:
-    """Wait for room in the budget (logging why), then hold this chunk's reservation."""
+    """Wait for room in the budget (logging why), then hold this chunk's reservation.
+    ``raw_bytes_per_token``: the codec's bytes/token before any chunk is measured (exact
+    unless ``ratio_known`` is false: budget.stored_bytes_per_token)."""
     entries = _chunk_entries(index)
     tokens = {Path(e["path"]).stem: int(e["tokens"]) for e in entries}
     if chunk not in tokens:
@@ -53,6 +56,7 @@ def before_send(
         redo_of=(chunk, pass_),
         tokens=tokens[chunk],
         raw_bytes_per_token=raw_bytes_per_token,
+        ratio_known=ratio_known,
         largest_tokens=max(tokens.values()),
         run_tokens=sum(tokens.values()),
         on_wait=tell,
@@ -138,7 +142,7 @@ class ChunkStream:
 
     @classmethod
     def open(cls, cfg: Any, *, hidden: Path, index: Path, pass_: int = 1) -> ChunkStream:
-        from hsextract.budget import bytes_per_token
+        from hsextract.budget import stored_bytes_per_token
         from hsextract.client import model_geometry
         from hsextract.config import run_dir
 
@@ -155,13 +159,15 @@ class ChunkStream:
             "dtype": dtype,
         }
         rd = run_dir(cfg)
+        bpt, exact = stored_bytes_per_token(cfg.storage.codec, geo.hidden_size, n_aux, dtype)
         before_send(
             ss,
             run_dir=rd,
             chunk=Path(hidden).stem,
             index=index,
-            raw_bytes_per_token=bytes_per_token(geo.hidden_size, n_aux, dtype),
+            raw_bytes_per_token=bpt,
             pass_=pass_,
+            ratio_known=exact,
         )
         # Bit-deterministic: the reference engine always, SGLang with batch-invariant ops.
         deterministic = cfg.engine == "reference" or bool(cfg.server.batch_invariant)

@@ -41,9 +41,10 @@ from hsextract.stream.journal import (
 log = logging.getLogger("hsextract")
 
 
-def deleted_after_ack(run_dir: str | Path) -> dict[str, dict[str, Any]]:
+def deleted_after_ack(run_dir: str | Path, pass_: int = 1) -> dict[str, dict[str, Any]]:
     """Chunk name -> its ``deleted.jsonl`` line (with the payload's sha256), for every
-    payload the producer freed after the trainer's ack that is still gone.
+    payload of pass ``pass_`` (hidden/, or hidden/pass<p>/ under epochs_mode regenerate)
+    the producer freed after the trainer's ack that is still gone.
 
     The last line for a path decides: a payload re-extracted since (it exists again) or
     deleted for a nack is no receipt.  ``{}`` without a stream (an offline run).
@@ -53,9 +54,10 @@ def deleted_after_ack(run_dir: str | Path) -> dict[str, dict[str, Any]]:
     lines = read_lines(sdir / DELETED)
     if not lines:
         return {}
+    where = Path("hidden") if pass_ == 1 else Path("hidden", f"pass{pass_}")
     last: dict[str, dict[str, Any]] = {}
     for d in lines:
-        if Path(d["path"]).parent == Path("hidden"):  # pass 1's; later passes' are no receipts
+        if Path(d["path"]).parent == where:  # this pass's (the names repeat across passes)
             last[str(d["path"])] = d
     st: StreamState | None = None
     out: dict[str, dict[str, Any]] = {}
