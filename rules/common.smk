@@ -313,7 +313,7 @@ def deleted_after_ack_refusal():
 
 def export_chunk_files(wildcards):
     """The chunk files an export reads (one per chunk job, or all for its target); the
-    plan ends here with deleted_after_ack_refusal's sentence, so `snakemake -n` says it
+    plan ends here with deleted_after_ack_refusal's sentence, so a dry run says it
     rather than planning a re-extraction or failing on a missing input (no rule makes a
     chunk file under a budget)."""
     why = deleted_after_ack_refusal()
