@@ -396,5 +396,20 @@ def test_regenerate_pass_2_re_extracts_the_deleted_chunks_and_the_report_counts_
         ds = StreamDataset(rd, world=1, timeout_s=60, epochs_mode="regenerate")
         ds.set_pass(2)
         assert Counter(s["id"] for s in ds) == want
+
+        # A pass-2 payload whose bytes changed on disk is planned again, as pass 1's is
+        # (changed_chunks scanned hidden/ only: "Nothing to be done").
+        with open(rd / "hidden" / "pass2" / "chunk_00001.safetensors", "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            last = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([last[0] ^ 0xFF]))
+        dry = planned_jobs(run_snakemake(wd, "-n", "extract_all").stdout)
+        assert dry.get("plan_chunks") == 1 and dry.get("extract_chunk_pass"), dry
+        res = run_snakemake(wd, "-j1", "extract_all")
+        out = res.stdout + res.stderr
+        assert out.count("rule extract_chunk_pass:") == 1, out[-3000:]
+        side = json.loads((rd / "hidden" / "pass2" / "chunk_00001.json").read_text())
+        assert sha256_file(rd / "hidden" / "pass2" / "chunk_00001.safetensors") == side["sha256"]
     finally:
         kill_processes_under(wd)

@@ -277,29 +277,32 @@ def _rehashed(
 
 def changed_chunks(run_dir: Path) -> list[tuple[str, int, int]]:
     """Chunk files newer than their sidecar (name, size, mtime_ns): a stat of each file of
-    hidden/, no sidecar read, since this runs while Snakemake plans (:func:`changed_note`).
+    hidden/ and of every later pass's hidden/pass<p>/ (named ``pass<p>/chunk_...``), no
+    sidecar read, since this runs while Snakemake plans (:func:`changed_note`).
 
     A chunk job writes its file, then its sidecar, and Snakemake touches both when the job
     ends, in the rule's order (the sidecar last); a chunk file newer than its sidecar was
     written to since (a byte flipped in place, a touch, a copy over it).
     """
-    try:
-        with os.scandir(Path(run_dir) / "hidden") as entries:
-            found = {e.name: e for e in entries}
-    except (FileNotFoundError, NotADirectoryError):
-        return []
     out = []
-    for fname, e in found.items():
-        m = _CHUNK_RE.fullmatch(fname)
-        side = found.get(f"chunk_{m.group(1)}.json") if m and m.group(2) == "safetensors" else None
-        if side is None:
-            continue  # no sidecar: the chunk job's output is missing, Snakemake redoes it
+    for p in [1, *later_passes(Path(run_dir))]:
         try:
-            st, side_st = e.stat(), side.stat()
-        except FileNotFoundError:
+            with os.scandir(pass_dir(Path(run_dir), p)) as entries:
+                found = {e.name: e for e in entries}
+        except (FileNotFoundError, NotADirectoryError):
             continue
-        if st.st_mtime_ns > side_st.st_mtime_ns:
-            out.append((fname, st.st_size, st.st_mtime_ns))
+        for fname, e in found.items():
+            m = _CHUNK_RE.fullmatch(fname)
+            side = (found.get(f"chunk_{m.group(1)}.json")
+                    if m and m.group(2) == "safetensors" else None)  # fmt: skip
+            if side is None:
+                continue  # no sidecar: the chunk job's output is missing, Snakemake redoes it
+            try:
+                st, side_st = e.stat(), side.stat()
+            except FileNotFoundError:
+                continue
+            if st.st_mtime_ns > side_st.st_mtime_ns:
+                out.append((plan_key(fname, p), st.st_size, st.st_mtime_ns))
     return sorted(out)
 
 
