@@ -93,7 +93,10 @@ def test_quick_cell_row_comes_from_its_run_and_a_second_call_skips_it(tmp_path: 
         assert row["aux_layers"] == "2;5"
         # The bare side: its flood over the same tokens, and a server log of its own.
         assert int(row["bare_sending_tok_s"]) == bare["sending_tok_s"]
-        assert bare["sending_tok_s"] == pytest.approx(sum(lens) / bare["sending_s"], rel=0.01)
+        # sending_s is rounded to 10 ms and the rate is of the unrounded time: within that.
+        span = bare["sending_s"]
+        assert sum(lens) / (span + 0.005) - 1 <= bare["sending_tok_s"]
+        assert bare["sending_tok_s"] <= sum(lens) / max(span - 0.005, 1e-9) + 1
         assert float(row["bare_req_s"]) == round(len(lens) / bare["sending_s"], 1)
         assert (cwork / "logs" / "bare.log").stat().st_size > 0
         assert "--forward-hooks" not in (cwork / "logs" / "bare.log").read_text()
