@@ -858,3 +858,56 @@ def test_ranks_are_dealt_records_within_one_chunk_of_each_other():
     loads = [sum(lines[i]["records"] for i in m) for m in assign(lines, 2)]
     assert max(loads) - min(loads) <= 17
     assert abs(sum(c["records"] for c in lines[0::2]) - sum(c["records"] for c in lines[1::2])) > 17
+
+
+def test_siblings_take_a_mismatch_verdict_without_hashing_again(tmp_path, monkeypatch):
+    from hsextract import chunkfile
+
+    side = write_chunk(tmp_path, 0, 2)
+    path, shared = tmp_path / side["path"], tmp_path / "verdicts"
+    shared.mkdir()
+    calls = []
+    real = chunkfile.sha256_file
+    monkeypatch.setattr(chunkfile, "sha256_file", lambda p, *a, **k: calls.append(p) or real(p))
+    for _ in range(3):  # the verdict dir is all the sibling workers share
+        with pytest.raises(chunkfile.ChunkDigestError) as err:
+            chunkfile.verify_chunk_file(path, "0" * 64, shared=shared)
+        assert err.value.actual == side["sha256"]
+    assert len(calls) == 1
+
+
+def test_a_redo_holding_other_records_stops_the_reader_in_one_sentence(tmp_path):
+    from hsextract.stream.reader import open_checked
+
+    side = write_chunk(tmp_path, 0, 3)
+    announce(tmp_path, side, 1)
+    dealt = journal.read_state(journal.stream_dir(tmp_path)).chunks[0]
+    other = write_chunk(tmp_path, 0, 5)  # the data changed: chunk_00000 re-extracted
+    other["content_digest"] = "changed"
+    announce(tmp_path, other, 1)
+    assert journal.read_state(journal.stream_dir(tmp_path)).chunks[0]["rev"] == 1
+    with pytest.raises(journal.StreamError, match=r"revision 1 holds other records \(5"):
+        open_checked(tmp_path, dealt, timeout_s=10)
+
+
+def test_a_redo_renamed_in_between_the_check_and_the_open_is_checked_again(tmp_path, monkeypatch):
+    from hsextract.stream import reader as reader_mod
+
+    side = write_chunk(tmp_path, 0, 3)
+    announce(tmp_path, side, 1)
+    line = journal.read_state(journal.stream_dir(tmp_path)).chunks[0]
+    real = reader_mod.ChunkReader
+    swapped = []
+
+    def open_after_a_redo(path, *a, **k):
+        if not swapped:  # a redo (other bytes, same records) lands right after the check
+            swapped.append(1)
+            redo = write_chunk(tmp_path / "redo", 0, 3, tokens=4)  # other bytes
+            os.replace(tmp_path / "redo" / redo["path"], path)
+            announce(tmp_path, redo, 1)
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(reader_mod, "ChunkReader", open_after_a_redo)
+    rd, got = reader_mod.open_checked(tmp_path, line, timeout_s=10)
+    assert got["rev"] == 1 and got["sha256"] == sha256_file(tmp_path / side["path"])
+    assert not journal.read_state(journal.stream_dir(tmp_path)).nacked  # nothing mistaken

@@ -218,11 +218,12 @@ def verify_chunk_file(
 
     ``shared``: a directory private to one reader whose processes (a DataLoader's workers)
     split each file's records between them: the first to open a file hashes it under a
-    lock there and leaves its verdict, the others take it.  Each worker hashing every file
-    it reads a share of cost the workers as many whole-file hashes per chunk as there are
-    workers, which on a streamed run was more CPU than decoding the records.  A verdict is
-    for the file's identity (inode, size, mtime), as the in-process cache is: a chunk is
-    only ever replaced by a rename, which is another inode.
+    lock there and leaves its verdict (a match, or the digest it found instead), the
+    others take it.  Each worker hashing every file it reads a share of cost as many
+    whole-file hashes per chunk as there are workers, which on a streamed run was more
+    CPU than decoding the records.  A verdict is for the file's identity (inode, size,
+    mtime), as the in-process cache is: a chunk is only ever replaced by a rename, which
+    is another inode.
     """
     try:
         st = os.stat(path)
@@ -243,11 +244,18 @@ def verify_chunk_file(
         fd = os.open(Path(shared) / f"{name}.lock", os.O_CREAT | os.O_RDWR, 0o600)
     except FileNotFoundError:  # its owner is gone (the loader was dropped): hash alone
         return verify_chunk_file(path, expected)
+    bad = verdict.with_suffix(".bad")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # a sibling hashing it now: wait for its verdict
+        if bad.exists():  # a sibling found other bytes: the same error, no second hash
+            raise ChunkDigestError.of(path, expected, bad.read_text())
         hashed = not verdict.exists()
         if hashed:
-            _hash_and_check(path, expected)
+            try:
+                _hash_and_check(path, expected)
+            except ChunkDigestError as exc:
+                bad.write_text(exc.actual)
+                raise
             verdict.touch()
     finally:
         os.close(fd)

@@ -261,9 +261,11 @@ def open_checked(
     run_dir = Path(run_dir)
     sdir = stream_dir(run_dir)
     seq = int(line["seq"])
+    dealt = line
     while True:
         line = read_state(sdir).chunks.get(seq, line)  # a redo announced meanwhile: its line
         path = run_dir / line["path"]
+        hashed = _identity(path)
         try:
             verify_chunk_file(path, line["sha256"], shared=verified)
             seen: str | None = line["sha256"]
@@ -282,12 +284,35 @@ def open_checked(
             seen = None  # nacked, and removed for its redo by the plan
         if seen == line["sha256"]:
             try:  # its bytes were just hashed against the journal: no second hash
-                return ChunkReader(path, verify=False), line
+                reader = ChunkReader(path, verify=False)
             except ChunkFileError as exc:
                 raise StreamError(f"{line['chunk']} (seq {seq}): {exc}") from exc
+            if _identity(path) != hashed:  # replaced (a redo renamed in) since: again
+                continue
+            _same_records(dealt, line)
+            return reader, line
         if seen is not None:
             AckWriter(run_dir).nack(seq, line["sha256"], seen, int(line.get("rev", 0)))
         line = _await_redo(run_dir, line, seen, who=who, poll_s=poll_s, timeout_s=timeout_s)
+
+
+def _same_records(dealt: dict, read: dict) -> None:
+    """A revision holds its seq's records (a redo of the same data); the reader dealt and
+    shuffled the chunk's records from ``dealt``, so a revision of other records (the
+    run's data changed under the stream: announce makes a revision of a re-extraction)
+    would be read short or with records lost: stop, in one sentence."""
+    if (int(read["records"]), read.get("content_digest")) != (
+        int(dealt["records"]),
+        dealt.get("content_digest"),
+    ):
+        raise StreamError(
+            f"{read['chunk']} (seq {read['seq']}): revision {read.get('rev', 0)} holds other "
+            f"records ({read['records']}, digest {str(read.get('content_digest'))[:12]}) than "
+            f"the one this pass was dealt from ({dealt['records']}, digest "
+            f"{str(dealt.get('content_digest'))[:12]}): the run's data changed while it was "
+            "streamed; a data change is a new stream: train from the start of this run's "
+            "pass, not from a checkpoint of the old data"
+        )
 
 
 def _await_redo(
