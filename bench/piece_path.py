@@ -10,7 +10,9 @@ the pieces closed; ``finish`` is not timed (its sha256 is per chunk, not per req
 * ``sunk`` (what the client does): ``assemble(rows_to=ChunkWriter.row_sink(j))`` writes each
   slice of rows into the chunk file from the buffer it was checked in (one read of the rows);
 * ``spliced`` (the baseline, same run, the client before): ``assemble`` checks, then
-  ``put_files`` reads the rows again to ``splice`` them into the chunk file.
+  :func:`splice_rows` reads the rows again to ``splice`` them into the chunk file (what
+  ``put_files`` did for codec none before ``row_sink``; it lives only here now, so the
+  ratio keeps a baseline measured in the same run).
 
 The two alternate, ``--rounds`` times each, on fresh pieces and a fresh chunk file under
 a dir of its own in ``--work-root`` (default /dev/shm), removed at the end.  Last line:
@@ -23,6 +25,8 @@ a dir of its own in ``--work-root`` (default /dev/shm), removed at the end.  Las
 from __future__ import annotations
 
 import argparse
+import errno
+import fcntl
 import os
 import shutil
 import statistics
@@ -33,6 +37,59 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+
+
+def _splice(src: int, at: int, nbytes: int, dst: int, pos: int, pipe: tuple[int, int, int]) -> None:
+    """Copy ``nbytes`` of ``src`` at ``at`` to ``dst`` at ``pos`` through ``pipe`` (r, w,
+    step); a source that cannot splice is copied with pread/pwrite."""
+    from hsextract import chunks
+
+    r, w, step = pipe
+    end = at + nbytes
+    while at < end:
+        try:
+            n = os.splice(src, w, min(step, end - at), offset_src=at)
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                raise
+            return chunks._copy(src, at, end - at, dst, pos, str(src))  # noqa: SLF001
+        if n <= 0:
+            raise OSError(f"fd {src} ends at byte {at}, expected {end}")
+        at += n
+        while n:
+            m = os.splice(r, dst, n, offset_dst=pos)
+            n, pos = n - m, pos + m
+
+
+def splice_rows(chunk, j: int, hidden: list, aux: list) -> None:
+    """The baseline: record ``j``'s rows, ``(fd, offset, nbytes, name)`` ranges of the
+    pieces, copied into ``chunk`` at their offsets in the kernel (``splice`` through a
+    1 MiB pipe, as ``ChunkWriter.put_files`` did for codec none before ``row_sink``).  The
+    bytes are counted as the writer counts its own (its background fdatasyncs) and as the
+    record's sunk rows, so ``put_files(..., rows_sunk=True)`` then writes the ids and mask
+    as in the ``sunk`` mode: the two modes differ only in how the rows get there."""
+    r, w = os.pipe()
+    try:
+        step = 1 << 16  # a pipe's default capacity
+        try:
+            fcntl.fcntl(w, getattr(fcntl, "F_SETPIPE_SZ", 1031), 1 << 20)
+            step = 1 << 20
+        except OSError:  # pipe-max-size below 1 MiB, or the user's pipe quota is full
+            pass
+        start, got = int(chunk.offsets[j]), []
+        for name, rb, ranges in zip(
+            ("hidden_states", "aux_hidden_states"), chunk.row_bytes, (hidden, aux), strict=True
+        ):
+            pos = chunk.data_start + chunk.base[name] + rb * start
+            for fd, offset, nbytes, _ in ranges:
+                _splice(fd, offset, nbytes, chunk.fd, pos, (r, w, step))
+                chunk._wrote(nbytes)  # noqa: SLF001 - not a pwrite of the writer's: counted
+                pos += nbytes
+            got.append(sum(n for _, _, n, _ in ranges))
+        chunk._sunk[j] = got  # noqa: SLF001 - as row_sink(j) counts what it took
+    finally:
+        os.close(r)
+        os.close(w)
 
 
 def one_round(root: Path, a: argparse.Namespace, mode: str, threads: int) -> tuple[float, float]:
@@ -75,8 +132,10 @@ def one_round(root: Path, a: argparse.Namespace, mode: str, threads: int) -> tup
         finally:
             client._remove_request_dir(rid_dir)  # noqa: SLF001 - what extract_dump runs
         with dump_:
+            if sink is None:
+                splice_rows(chunk, j, dump_.hidden, dump_.aux)
             chunk.put_files(j, dump_.ids, mask, dump_.hidden, dump_.aux, dump_.dtype,
-                            rows_sunk=sink is not None)  # fmt: skip
+                            rows_sunk=True)  # fmt: skip
 
     cpu, t = time.process_time(), time.perf_counter()
     try:

@@ -151,9 +151,15 @@ def test_the_manifest_imports_no_torch():
 BIG_H, BIG_LENGTHS = 256, [64] * 16  # 4 KiB of fp32 states a token: 4 MiB a chunk
 
 
+SINK_SLICE = 3000  # bytes: slices that end mid-row and split records, as assemble's may
+
+
 def write_big(path, codec="none", order=None, via="put"):
-    """A chunk of a few MiB, records in ``order``; ``via="put_files"`` hands the rows over
-    as byte ranges of a file (the splice path).  Returns the writer, its records written."""
+    """A chunk of a few MiB, records in ``order``.  The rows go in with ``put`` (tensors),
+    or from a file as a dump's pieces hold them: ``via="row_sink"`` (uncompressed, what the
+    client does) reads them a slice at a time, as ``assemble`` checks them, into
+    ``row_sink(j)``, then ``put_files(..., rows_sunk=True)``; ``via="put_files"`` (a codec)
+    hands ``put_files`` the byte ranges to read.  Returns the writer, its records written."""
     recs = records(torch.float32, BIG_LENGTHS, h=BIG_H)
     meta = dict(
         META,
@@ -164,7 +170,7 @@ def write_big(path, codec="none", order=None, via="put"):
     w = ChunkWriter(path, BIG_LENGTHS, hidden_size=BIG_H, n_aux=3, dtype=torch.float32,
                     metadata=meta, codec=codec)  # fmt: skip
     src = path.with_name(path.name + ".rows")
-    fd = os.open(src, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600) if via == "put_files" else -1
+    fd = os.open(src, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600) if via != "put" else -1
     try:
         for j in order or range(len(recs)):
             ids, mask, hid, aux = recs[j]
@@ -177,7 +183,12 @@ def write_big(path, codec="none", order=None, via="put"):
                 at = os.fstat(fd).st_size
                 os.pwrite(fd, data, at)
                 ranges.append([(fd, at, len(data), str(src))])
-            w.put_files(j, ids, mask, *ranges, torch.float32)
+            sink = w.row_sink(j) if via == "row_sink" else None
+            if sink is not None:
+                for tensor, [(_, at, nbytes, _)] in enumerate(ranges):
+                    for pos in range(0, nbytes, SINK_SLICE):
+                        sink(tensor, pos, os.pread(fd, min(SINK_SLICE, nbytes - pos), at + pos))
+            w.put_files(j, ids, mask, *ranges, torch.float32, rows_sunk=sink is not None)
     except BaseException:
         w.abort()
         raise
@@ -186,6 +197,29 @@ def write_big(path, codec="none", order=None, via="put"):
             os.close(fd)
             src.unlink()
     return w
+
+
+def test_uncompressed_rows_come_only_through_the_row_sink(tmp_path):
+    """Uncompressed, the rows have one way into a chunk file: ``row_sink``, as the client
+    checks them (issue 40).  ``put_files`` handed only their byte ranges refuses in one
+    sentence naming the record and the way; the record is not written, so the chunk cannot
+    finish, and nothing is left behind."""
+    ids, mask, hid, aux = records(torch.float32)[0]
+    w = ChunkWriter(tmp_path / "c.safetensors", [5], hidden_size=8, n_aux=3,
+                    dtype=torch.float32, metadata=META)  # fmt: skip
+    src = tmp_path / "rows"
+    src.write_bytes(hid.numpy().tobytes() + aux.numpy().tobytes())
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        hb = hid.numel() * 4
+        with pytest.raises(ChunkFileError, match=r"record 0: .*row_sink\(0\).*rows_sunk=True"):
+            w.put_files(0, ids, mask, [(fd, 0, hb, str(src))],
+                        [(fd, hb, aux.numel() * 4, str(src))], torch.float32)  # fmt: skip
+    finally:
+        os.close(fd)
+    with pytest.raises(ChunkFileError, match=r"records \[0\] never written"):
+        w.finish()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows"]
 
 
 class CountingSync:
@@ -209,7 +243,14 @@ class CountingSync:
 
 
 @pytest.mark.parametrize(
-    "codec,via", [("none", "put"), ("none", "put_files"), ("lossless", "put"), ("fp8", "put")]
+    "codec,via",
+    [
+        ("none", "put"),
+        ("none", "row_sink"),
+        ("lossless", "put"),
+        ("lossless", "put_files"),
+        ("fp8", "put"),
+    ],
 )
 def test_background_syncs_while_streaming_leave_the_bytes_unchanged(
     tmp_path, monkeypatch, codec, via

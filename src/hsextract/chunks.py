@@ -15,8 +15,6 @@ pages few, so that final fsync, in the tail of the run, has little left to write
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import mmap
 import os
@@ -57,27 +55,6 @@ _ST_DTYPES = {
     torch.int64: "I64",
     torch.uint8: "U8",
 }
-
-
-def _splice(
-    src: int, at: int, nbytes: int, dst: int, pos: int, r: int, w: int, step: int, name: str
-) -> None:
-    """Copy ``nbytes`` from ``src`` at ``at`` to ``dst`` at ``pos`` through the pipe (r, w);
-    a source that cannot splice is copied with pread/pwrite."""
-    end = at + nbytes
-    while at < end:
-        try:
-            n = os.splice(src, w, min(step, end - at), offset_src=at)
-        except OSError as exc:
-            if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                raise
-            return _copy(src, at, end - at, dst, pos, name)
-        if n <= 0:
-            raise ChunkFileError(f"{name}: file ends at byte {at}, expected {end}")
-        at += n
-        while n:
-            m = os.splice(r, dst, n, offset_dst=pos)
-            n, pos = n - m, pos + m
 
 
 def _copy(src: int, at: int, nbytes: int, dst: int, pos: int, name: str) -> None:
@@ -407,12 +384,19 @@ class ChunkWriter:
         rows_sunk: bool = False,
     ) -> None:
         """Like ``put``, but the hidden and aux rows are ``(fd, offset, nbytes, name)`` byte
-        ranges of open files, in row order.  Uncompressed, they are copied file to file in
-        the kernel (``splice`` through a pipe: no user-space copy, no fresh memory); with a
-        codec, read a frame at a time and encoded.  ``name`` is for errors.
+        ranges of open files, in row order (``name`` is for errors).
 
-        ``rows_sunk``: the rows came through ``row_sink(j)`` already; refused unless it
-        took exactly the record's bytes."""
+        With a codec the ranges are read a frame at a time and encoded.  Uncompressed, the
+        rows must have come through ``row_sink(j)`` already (``rows_sunk=True``): the ranges
+        only give the record's size, and the call is refused unless the sink took exactly
+        its bytes.  Why no second way: the client reads every row once to check it anyway,
+        and writing from that read is the one path (copying the ranges again cost a read
+        more, issue 40; bench/piece_path.py keeps that copy as its baseline)."""
+        if self.codec == "none" and not rows_sunk:
+            raise ChunkFileError(
+                f"{self.path}: record {j}: uncompressed rows are written through "
+                f"row_sink({j}) as they are checked, then put_files(..., rows_sunk=True)"
+            )
         nbytes = (sum(r[2] for r in hidden), sum(r[2] for r in aux))
         self._check(j, input_ids, nbytes, dtype)
         if rows_sunk:
@@ -424,44 +408,8 @@ class ChunkWriter:
                 )
         self._put_small(j, input_ids, loss_mask)
         if not rows_sunk:
-            if self.codec == "none":
-                self._splice_rows(j, hidden, aux)
-            else:
-                self._put_rows(j, _Rows(ranges=hidden), _Rows(ranges=aux))
+            self._put_rows(j, _Rows(ranges=hidden), _Rows(ranges=aux))
         self.written[j] = True
-
-    def _splice_rows(
-        self,
-        j: int,
-        hidden: Sequence[tuple[int, int, int, str]],
-        aux: Sequence[tuple[int, int, int, str]],
-    ) -> None:
-        start = int(self.offsets[j])
-        r, w = os.pipe() if hasattr(os, "splice") else (-1, -1)
-        try:
-            step = 1 << 16  # a pipe's default capacity
-            if r >= 0:
-                try:
-                    fcntl.fcntl(w, getattr(fcntl, "F_SETPIPE_SZ", 1031), _WRITE_SLICE)
-                    step = _WRITE_SLICE
-                except OSError:  # pipe-max-size below 1 MiB, or the user's pipe quota is full
-                    pass
-            for name, at, ranges in (
-                ("hidden_states", self.row_bytes[0] * start, hidden),
-                ("aux_hidden_states", self.row_bytes[1] * start, aux),
-            ):
-                pos = self.data_start + self.base[name] + at
-                for fd, offset, nbytes, src in ranges:
-                    if r >= 0:
-                        _splice(fd, offset, nbytes, self.fd, pos, r, w, step, src)
-                    else:
-                        _copy(fd, offset, nbytes, self.fd, pos, src)
-                    self._wrote(nbytes)  # not a pwrite: counted here
-                    pos += nbytes
-        finally:
-            if r >= 0:
-                os.close(r)
-                os.close(w)
 
     def _put_rows(self, j: int, hidden: _Rows, aux: _Rows) -> None:
         n, start = self.lengths[j], int(self.offsets[j])
@@ -672,12 +620,13 @@ class ChunkReader:
     ``.json`` of the same name next to it, which names this file) -- the digest taken when
     it was extracted.  Why at open: a flipped byte in the states still decodes (other
     numbers, no error), and one in the header changes record ids or shapes, so nothing
-    read from a file is trusted before its hash is.  The whole file is hashed once, streamed
-    from a read-only mapping (:func:`~hsextract.chunkfile.verify_chunk_file`: once per file
-    and process while it is unchanged, so reopening costs nothing), and a mismatch raises
-    :class:`~hsextract.chunkfile.ChunkDigestError` naming the file and how to redo it.  A
-    file with no sidecar and no ``expected_sha256`` is not checked; ``verify=False`` skips
-    the check (for callers that hash alongside their own reads, like the exports).
+    read from a file is trusted before its hash is.  The whole file is hashed once, read
+    1 MiB at a time into one buffer (:func:`~hsextract.chunkfile.verify_chunk_file`: once
+    per file and process while it is unchanged, so reopening costs nothing), and a
+    mismatch raises :class:`~hsextract.chunkfile.ChunkDigestError` naming the file and how
+    to redo it.  A file with no sidecar and no ``expected_sha256`` is not checked;
+    ``verify=False`` skips the check (for callers that hash alongside their own reads,
+    like the exports).
     """
 
     def __init__(
