@@ -250,7 +250,7 @@ def unacked_bytes(run_dir: Path, st: StreamState, final_pass: int) -> int:
 #: Why an acked payload waits for ``hsextract stream gc``: only its sha256 can tell it is ours.
 UNPROVEN = (
     "written to since it was announced (not the inode and mtime announced): only its sha256 "
-    "can tell it is the file we wrote, which a gate does not read; `hsextract stream gc` does"
+    "can tell it is the file we wrote, which a gate does not read (the stream's gc does)"
 )
 #: gc's verdicts on payloads it hashed and left (status counts them no more): JSON lines.
 GC_LEFT = "gc_left.jsonl"
