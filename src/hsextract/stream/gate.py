@@ -235,8 +235,8 @@ def _stuck_on_nack(run_dir: Path, waiting: str, nack: dict[str, Any]) -> StreamE
         f"{waiting}: the gate is shut and the trainer nacked {nack['chunk']} (seq "
         f"{nack['seq']}, pass {nack['pass']}: its bytes are not the announced sha256), so it "
         "waits for that chunk's redo and acks nothing, and no job of this run is redoing it: "
-        f"a new run redoes it as a new revision the trainer reads, `{redo}`, then "
-        f"`{rest}` for the rest"
+        f"a new run redoes it as a new revision the trainer reads: `{redo}` (its receipt, "
+        f"forced), then `{rest}` for the rest"
     )
 
 
