@@ -155,7 +155,11 @@ def test_stream_gc_frees_what_was_acked_after_the_last_job_and_names_what_it_lea
     changed = rd / sides[1]["path"]
     data = bytearray(changed.read_bytes())
     data[0] ^= 0xFF
+    was = changed.stat()
     changed.write_bytes(bytes(data))
+    # Written in place; a later mtime even if the clock's tick has not moved since its
+    # announcement (the gate's stat tells a file written to since by inode and mtime).
+    os.utime(changed, ns=(was.st_atime_ns, was.st_mtime_ns + 10**9))
     users = rd / sides[2]["path"]
     users.write_bytes(b"a user's file")
 
@@ -176,6 +180,185 @@ def test_stream_gc_frees_what_was_acked_after_the_last_job_and_names_what_it_lea
     ]
     sample = journal.read_lines(rd / "stream" / "usage.jsonl")[-1]
     assert sample["event"] == "gc" and sample["payload_bytes"] == 1024 + 13
+
+
+def two_announced(run_dir: Path) -> tuple[list[dict], gate.StreamSettings]:
+    """Chunks 0 and 1 of 3 announced (the pass goes on), and a budget holding exactly
+    them: a third chunk's gate shuts until acks come."""
+    sides = [one_chunk(run_dir, i) for i in range(2)]
+    for s in sides:
+        journal.announce(run_dir, n_chunks=3, **s)
+    size = (run_dir / sides[0]["path"]).stat().st_size
+    ss = gate.StreamSettings(budget_gb=(2 * size + 10) / 1e9, trainer_ranks=1, prefetch_chunks=1,
+                             checkpoint_chunks=1, low_mark=0.9, poll_s=0.05)  # fmt: skip
+    return sides, ss
+
+
+GATE_KW = {"tokens": 1, "raw_bytes_per_token": 1, "largest_tokens": 1, "run_tokens": 3}
+
+
+def gate_in_thread(run_dir: Path, ss: gate.StreamSettings, chunk: str, out: dict):
+    """``chunk``'s gate on a thread: ``out["done"]`` is set once it passed or raised."""
+    out["done"] = threading.Event()
+
+    def job():
+        try:
+            out["got"] = gate.wait_for_room(run_dir, ss, chunk=chunk, **{**GATE_KW, "tokens": 6})
+        except Exception as exc:  # noqa: BLE001 -- the test asserts on it
+            out["error"] = exc
+        finally:
+            out["done"].set()
+
+    t = threading.Thread(target=job, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_shut_gate_fails_at_once_while_the_trainer_waits_for_a_redo_nothing_runs(tmp_path):
+    """Mid-pass, the trainer nacked chunk 0 and waits for its redo (acking nothing), the
+    budget is full: on ae15b2b the next chunk job waited for acks forever (and the
+    waiting text and status said nothing of the nack).  It fails at once in one sentence
+    naming the chunk and the command that redoes it; the summary names the nack."""
+    sides, ss = two_announced(tmp_path)
+    journal.AckWriter(tmp_path).nack(0, sides[0]["sha256"], "f" * 64)
+    out: dict = {}
+    t = gate_in_thread(tmp_path, ss, "chunk_00002", out)
+    try:
+        assert out["done"].wait(60), "the job waited for acks that cannot come"
+        info = gate.summary(tmp_path)  # what status and the waiting text say
+        assert [(n["chunk"], n["seq"], n["taken_up"]) for n in info["nacked"]] == [
+            ("chunk_00000", 0, False)
+        ]
+        said = gate.waiting_text(info)
+        assert "the trainer nacked chunk_00000 (seq 0, pass 1) and waits" in said, said
+    finally:
+        journal.AckWriter(tmp_path).ack([0, 1])  # on ae15b2b: lets the waiting gate go
+        t.join(60)
+    err = out.get("error")
+    assert isinstance(err, journal.StreamError), out
+    msg = str(err)
+    assert "\n" not in msg and "the trainer nacked chunk_00000 (seq 0, pass 1" in msg, msg
+    assert f"snakemake -j1 -f {tmp_path / 'hidden' / 'chunk_00000.json'}" in msg, msg
+    assert "snakemake -j1 extract_all" in msg, msg
+
+
+def test_while_a_nacked_chunks_redo_runs_a_shut_gate_waits_for_it(tmp_path):
+    """The rerun: the nacked chunk's redo passes the gate at once and is seen running, so
+    the other jobs wait at the shut gate (no failure) and pass once the trainer, having
+    read the redo, acks."""
+    sides, ss = two_announced(tmp_path)
+    journal.AckWriter(tmp_path).nack(0, sides[0]["sha256"], "f" * 64)
+    assert gate.wait_for_room(tmp_path, ss, chunk="chunk_00000", **GATE_KW)["redo"]
+    info = gate.summary(tmp_path)
+    assert [n["redo_running"] for n in info["nacked"]] == [True]
+    assert "chunk_00000 (seq 0, pass 1) and waits for its redo" in gate.waiting_text(info)
+    usage = tmp_path / "stream" / "usage.jsonl"
+
+    def waits():  # a look past the nack check: the job waits for acks
+        return any(u["event"] == "wait" and u["chunk"] == "chunk_00002"
+                   for u in journal.read_lines(usage)) or out["done"].is_set()  # fmt: skip
+
+    out: dict = {}
+    t = gate_in_thread(tmp_path, ss, "chunk_00002", out)
+    try:
+        deadline = time.monotonic() + 60
+        while not waits():
+            assert time.monotonic() < deadline, "the gate never looked"
+            time.sleep(0.01)
+        assert not out["done"].is_set(), out
+        journal.announce(tmp_path, n_chunks=3, **sides[0])  # the redo: revision 1
+        gate.release(tmp_path, "chunk_00000")
+        assert gate.summary(tmp_path)["nacked"] == []
+        journal.AckWriter(tmp_path).ack([0, 1])
+        assert out["done"].wait(60)
+    finally:
+        journal.AckWriter(tmp_path).ack([0, 1])
+        t.join(60)
+    assert "error" not in out and out["got"]["estimate_bytes"] > 0, out
+
+
+def acked_chunks(run_dir: Path, n: int) -> list[dict]:
+    sides = [one_chunk(run_dir, i) for i in range(n)]
+    for s in sides:
+        journal.announce(run_dir, n_chunks=n, **s)
+    journal.AckWriter(run_dir).ack(list(range(n)))
+    return sides
+
+
+def test_stream_gc_hashes_outside_the_lock_and_frees_only_what_is_unchanged_since(
+    tmp_path, monkeypatch
+):
+    """A gc hashes (a payload written to since announced: here touched, same bytes) with
+    the stream's lock free -- acks and every gate take it; on ae15b2b gc held it through
+    every hash -- and deletes only a file whose identity did not change while hashed."""
+    import fcntl
+
+    from hsextract import chunkfile
+
+    sides = acked_chunks(tmp_path, 2)
+    paths = [tmp_path / s["path"] for s in sides]
+    for p in paths:
+        os.utime(p, ns=(p.stat().st_atime_ns, p.stat().st_mtime_ns + 10**9))  # touched
+    real = chunkfile.sha256_file
+    lock_free: list[bool] = []
+
+    def hash_and_probe(path):
+        with open(tmp_path / "stream" / journal.LOCK, "a") as f:  # another open: flock's
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+                lock_free.append(True)
+            except BlockingIOError:
+                lock_free.append(False)
+        digest = real(path)
+        if Path(path) == paths[1]:  # written to while hashed: same bytes, a new mtime
+            st = paths[1].stat()
+            os.utime(paths[1], ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        return digest
+
+    monkeypatch.setattr(chunkfile, "sha256_file", hash_and_probe)
+    got = gate.gc(tmp_path, gate.StreamSettings(budget_gb=1.0))
+    assert lock_free == [True, True]
+    assert got["deleted"] == [sides[0]["path"]] and not paths[0].exists()
+    assert paths[1].exists() and got["left"] == []  # the next gc looks again
+    monkeypatch.setattr(chunkfile, "sha256_file", real)
+    assert gate.gc(tmp_path, gate.StreamSettings(budget_gb=1.0))["deleted"] == [sides[1]["path"]]
+
+
+def test_the_gate_gc_and_status_keep_one_deletion_rule(tmp_path):
+    """On ae15b2b a gate deleted a same-size payload whose bytes changed (size only), gc
+    left it (its sha256) and status kept counting it as waiting for gc.  Now: a gate
+    frees a payload unwritten since announced (its inode and mtime), leaves one written
+    to since to gc, which frees it if its bytes are the announced ones and leaves it
+    otherwise; status counts what gc would free, never what it left."""
+    sides = acked_chunks(tmp_path, 3)
+    unchanged, touched, changed = (tmp_path / s["path"] for s in sides)
+    st0 = touched.stat()
+    os.utime(touched, ns=(st0.st_atime_ns, st0.st_mtime_ns + 10**9))  # same bytes
+    data = bytearray(changed.read_bytes())
+    data[0] ^= 0xFF
+    changed.write_bytes(bytes(data))  # same size, in place: other bytes
+    os.utime(changed, ns=(st0.st_atime_ns, st0.st_mtime_ns + 10**9))
+    sdir = tmp_path / "stream"
+    st = journal.read_state(sdir)
+    assert gate.summary(tmp_path)["acked_on_disk"] == 3  # one for the gate, two for gc
+    with journal.locked(sdir):
+        assert gate.delete_acked(tmp_path, st, 1) == [sides[0]["path"]]  # a gate's look
+    assert touched.exists() and changed.read_bytes() == bytes(data)
+    assert gate.summary(tmp_path)["acked_on_disk"] == 2
+    got = gate.gc(tmp_path, gate.StreamSettings(budget_gb=1.0))
+    assert got["deleted"] == [sides[1]["path"]] and not touched.exists()
+    assert [p for p, _ in got["left"]] == [sides[2]["path"]]
+    assert "its bytes are not the announced sha256" in got["left"][0][1]
+    assert changed.read_bytes() == bytes(data)
+    info = gate.summary(tmp_path)
+    assert info["acked_on_disk"] == 0, info  # gc left it: nothing waits for gc
+    with journal.locked(sdir):
+        assert gate.delete_acked(tmp_path, journal.read_state(sdir), 1) == []
+    assert gate.gc(tmp_path, gate.StreamSettings(budget_gb=1.0))["deleted"] == []
+    changed.write_bytes(bytes(range(256)) * 4)  # restored: gc hashes it again, frees it
+    assert gate.summary(tmp_path)["acked_on_disk"] == 1
+    assert gate.gc(tmp_path, gate.StreamSettings(budget_gb=1.0))["deleted"] == [sides[2]["path"]]
 
 
 def test_regenerated_counts_the_later_passes_matching_pass_1(tmp_path):

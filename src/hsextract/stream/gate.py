@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hsextract.budget import human
+from hsextract.commands import snakemake_command
 from hsextract.config_types import StreamConfig
 from hsextract.stream.journal import (
     ACKS,
@@ -29,6 +30,7 @@ from hsextract.stream.journal import (
     StreamState,
     append_line,
     locked,
+    read_lines,
     read_state,
     stream_dir,
 )
@@ -174,8 +176,8 @@ def _alive(path: Path) -> bool:
     return False
 
 
-def reservations(sdir: Path, *, exclude: str | None = None) -> dict[str, int]:
-    """Bytes reserved by live chunk jobs between their gate and their announcement."""
+def _live(sdir: Path, *, exclude: str | None = None) -> dict[str, dict[str, Any]]:
+    """The entries of live chunk jobs' reservation files (a dead job's are removed)."""
     out = {}
     d = sdir / INFLIGHT
     if not d.is_dir():
@@ -187,10 +189,55 @@ def reservations(sdir: Path, *, exclude: str | None = None) -> dict[str, int]:
             p.unlink(missing_ok=True)  # a dead job's: ours, and it will not announce
             continue
         try:
-            out[p.stem] = int(json.loads(p.read_text())["bytes"])
-        except (OSError, ValueError, KeyError):
+            out[p.stem] = json.loads(p.read_text())
+        except (OSError, ValueError):
             continue  # removed by its job right now
     return out
+
+
+def reservations(sdir: Path, *, exclude: str | None = None) -> dict[str, int]:
+    """Bytes reserved by live chunk jobs between their gate and their announcement (a
+    redo's marker reserves nothing: its bytes count already, see :func:`wait_for_room`)."""
+    return {k: int(e["bytes"]) for k, e in _live(sdir, exclude=exclude).items()
+            if "bytes" in e and "redo_of" not in e}  # fmt: skip
+
+
+def _redos_running(sdir: Path) -> set[tuple[str, int]]:
+    """(chunk, pass) of each redo of an announced, unacked chunk whose job runs now."""
+    return {(str(e["redo_of"][0]), int(e["redo_of"][1])) for e in _live(sdir).values()
+            if isinstance(e.get("redo_of"), list)}  # fmt: skip
+
+
+def open_nacks(st: StreamState, final_pass: int) -> list[dict[str, Any]]:
+    """The chunks the trainer nacked and waits for (no newer revision answers the nack, not
+    acked since): it trains on nothing past them, so no ack comes until each is redone.
+    ``taken_up``: a plan deleted it for its redo (a ``why: nack`` line for that revision)."""
+    out = []
+    for seq in sorted(st.nacked):
+        line = st.chunks.get(seq)
+        if line is None or not st.nack_open(seq) or st.is_acked(seq, final_pass):
+            continue
+        rev = int(line.get("rev", 0))
+        d = st.deleted.get(seq) or {}
+        taken_up = d.get("why") == "nack" and int(d.get("rev", -1)) == rev
+        out.append({"seq": seq, "chunk": line["chunk"], "pass": int(line["pass"]), "rev": rev,
+                    "path": line["path"], "taken_up": taken_up})  # fmt: skip
+    return out
+
+
+def _stuck_on_nack(run_dir: Path, waiting: str, nack: dict[str, Any]) -> StreamError:
+    """The sentence a chunk job fails with when its gate is shut while the trainer waits
+    for the redo of a nacked chunk no job of this run is making: both would wait forever."""
+    receipt = (run_dir / nack["path"]).with_suffix(".json")
+    redo = snakemake_command("-f", receipt, run_dir=run_dir)
+    rest = snakemake_command("extract_all", run_dir=run_dir)
+    return StreamError(
+        f"{waiting}: the gate is shut and the trainer nacked {nack['chunk']} (seq "
+        f"{nack['seq']}, pass {nack['pass']}: its bytes are not the announced sha256), so it "
+        "waits for that chunk's redo and acks nothing, and no job of this run is redoing it: "
+        f"a new run redoes it as a new revision the trainer reads: `{redo}` (its receipt, "
+        f"forced), then `{rest}` for the rest"
+    )
 
 
 def unacked_bytes(run_dir: Path, st: StreamState, final_pass: int) -> int:
@@ -200,102 +247,184 @@ def unacked_bytes(run_dir: Path, st: StreamState, final_pass: int) -> int:
     return sum(_on_disk(run_dir, c) or int(c["bytes"]) for c in st.unacked(final_pass))
 
 
-def delete_acked(
-    run_dir: Path,
-    st: StreamState,
-    final_pass: int,
-    *,
-    keep: str | None = None,
-    rehash: bool = False,
-    left: list[tuple[str, str]] | None = None,
-) -> list[str]:
-    """Remove the payload of every chunk acked for good; only a file the journal names,
-    under the run dir, not a symlink, of the size the journal recorded (anything else is
-    not what we wrote, and is left alone).  The sidecar stays (the receipt,
-    stream.receipts); the line says which bytes it stands for.  ``keep``: the path the
-    calling job just wrote (an acked chunk redone on request, its receipt forced): the
-    user asked for it, so it stays until the next job's gate.  ``rehash`` (``hsextract
-    stream gc``, run by hand: it may read): also only while its bytes are the announced
-    sha256; a gate does not, it would read every payload it frees.  ``left`` gets
-    (path, why) for each acked payload left alone."""
-    sdir = stream_dir(run_dir)
-    gone = []
-    for seq, c in sorted(st.chunks.items()):
-        if not st.is_acked(seq, final_pass) or c["path"] == keep:
-            continue
-        why = _not_ours(run_dir, c, rehash)
-        if why == "gone":
-            continue
-        if why is not None:
-            if left is not None:
-                left.append((c["path"], why))
-            continue
-        (run_dir / c["path"]).unlink()
-        append_line(
-            sdir / DELETED,
-            {
-                "seq": seq,
-                "chunk": c["chunk"],
-                "path": c["path"],
-                "bytes": c["bytes"],
-                "sha256": c["sha256"],
-                "why": "ack",
-                "at": round(time.time(), 3),
-            },
-        )
-        gone.append(c["path"])
-    return gone
+#: Why an acked payload waits for ``hsextract stream gc``: only its sha256 can tell it is ours.
+UNPROVEN = (
+    "written to since it was announced (not the inode and mtime announced): only its sha256 "
+    "can tell it is the file we wrote, which a gate does not read (the stream's gc does)"
+)
+#: gc's verdicts on payloads it hashed and left (status counts them no more): JSON lines.
+GC_LEFT = "gc_left.jsonl"
 
 
-def _not_ours(run_dir: Path, line: dict[str, Any], rehash: bool) -> str | None:
-    """Why the payload an announcement names may not be deleted ("gone": nothing there),
-    or None: it is the file we announced."""
+def _identity(p: Path) -> tuple[int, int, int] | None:
+    """(inode, size, mtime_ns): what says a file is unwritten since it was last looked at.
+    No st_dev: NFS numbers a mount per client, so another node sees another device."""
+    try:
+        s = p.stat()
+    except FileNotFoundError:
+        return None
+    return (s.st_ino, s.st_size, s.st_mtime_ns)
+
+
+def _announced(line: dict[str, Any]) -> tuple[int, int, int] | None:
+    """The payload's identity recorded when it was announced (None: a line of an older
+    hsextract, which recorded none)."""
+    if "ino" not in line or "mtime_ns" not in line:
+        return None
+    return (int(line["ino"]), int(line["bytes"]), int(line["mtime_ns"]))
+
+
+def _not_ours(run_dir: Path, line: dict[str, Any], sha256: str | None = None) -> str | None:
+    """The producer's one deletion rule: why the payload an announcement names may not be
+    deleted ("gone": nothing there; :data:`UNPROVEN`: its sha256 must tell), or None: it
+    is the file we announced.
+
+    Ours: the path the journal names, inside the run dir, not a symlink, of the size
+    announced, and either unwritten since its announcement (its inode and mtime are the
+    ones recorded then: a stat) or, only where it was written to, hashing to the announced
+    sha256 (``sha256``: its hash, which ``hsextract stream gc`` takes outside the lock).
+    Why the identity and not the sha256 at every gate: a gate would read every payload it
+    frees, under the stream's lock; a file replaced (another inode) or written in place
+    (another mtime) fails the stat, and one whose bytes changed without either (a disk
+    fault) is still the file we wrote, acked: freeing it loses nothing.
+    """
     p = run_dir / line["path"]
     if p.is_symlink():
         return "a symlink, not the file we wrote"
     if run_dir.resolve() not in p.resolve().parents:
         return "outside the run dir"
-    try:
-        size = p.stat().st_size
-    except FileNotFoundError:
+    ident = _identity(p)
+    if ident is None:
         return "gone"
-    if size != line["bytes"]:
-        return f"{size} bytes, announced {line['bytes']}: not the file we wrote"
-    if rehash:
-        from hsextract.chunkfile import sha256_file
-
-        if sha256_file(p) != line["sha256"]:
-            return f"its bytes are not the announced sha256 {line['sha256'][:12]}...: changed"
+    if ident[1] != line["bytes"]:
+        return f"{ident[1]} bytes, announced {line['bytes']}: not the file we wrote"
+    if ident == _announced(line):
+        return None
+    if sha256 is None:
+        return UNPROVEN
+    if sha256 != line["sha256"]:
+        return f"its bytes are not the announced sha256 {line['sha256'][:12]}...: changed"
     return None
+
+
+def _unlink_acked(run_dir: Path, seq: int, c: dict[str, Any]) -> None:
+    """Delete an acked payload found ours, and log it (the caller holds the lock)."""
+    (run_dir / c["path"]).unlink()
+    append_line(
+        stream_dir(run_dir) / DELETED,
+        {
+            "seq": seq,
+            "chunk": c["chunk"],
+            "path": c["path"],
+            "bytes": c["bytes"],
+            "sha256": c["sha256"],
+            "why": "ack",
+            "at": round(time.time(), 3),
+        },
+    )
+
+
+def _freeable(
+    run_dir: Path, st: StreamState, final_pass: int, keep: str | None = None
+) -> list[tuple[int, dict[str, Any], str | None]]:
+    """(seq, line, why not ours) of every payload acked for good and on disk, not yet
+    logged deleted: what the deletion rule looks at."""
+    out = []
+    for seq, c in sorted(st.chunks.items()):
+        if not st.is_acked(seq, final_pass) or seq in st.deleted or c["path"] == keep:
+            continue
+        why = _not_ours(run_dir, c)
+        if why != "gone":
+            out.append((seq, c, why))
+    return out
+
+
+def delete_acked(
+    run_dir: Path, st: StreamState, final_pass: int, *, keep: str | None = None
+) -> list[str]:
+    """A gate's and an announcement's deletion: remove the payload of every chunk acked for
+    good that :func:`_not_ours` proves ours by a stat (one written to since its
+    announcement waits for ``hsextract stream gc``, which hashes it).  The caller holds
+    the lock.  The sidecar stays (the receipt, stream.receipts); the line says which bytes
+    it stands for.  ``keep``: the path the calling job just wrote (an acked chunk redone
+    on request, its receipt forced): Snakemake has yet to see it."""
+    gone = []
+    for seq, c, why in _freeable(run_dir, st, final_pass, keep):
+        if why is None:
+            _unlink_acked(run_dir, seq, c)
+            gone.append(c["path"])
+    return gone
 
 
 def gc(run_dir: Path, ss: StreamSettings) -> dict[str, Any]:
     """``hsextract stream gc``: free the payloads acked after the last chunk job's look
     (deletion otherwise happens at a gate or an announcement only, and the last chunk's
-    job may have ended before the trainer's last acks).  The producer's own rules
-    (:func:`delete_acked`, with the sha256 checked), under the stream's lock, logged in
-    ``deleted.jsonl``, a usage sample after.  What it freed and what it left, and why."""
+    job may have ended before the trainer's last acks), by the producer's one rule
+    (:func:`_not_ours`), and those a gate leaves to it: written to since announced, freed
+    if their bytes are still the announced sha256.  Logged in ``deleted.jsonl``, a usage
+    sample after.  What it freed and what it left, and why.
+
+    The hashes are taken outside the stream's lock (acks and every gate take it; tens of
+    GB to hash would hold them all): the candidates and their identity are picked under
+    it, then, under it again, only those still acked and unlogged, with the same journal
+    line and identity, are deleted."""
+    from hsextract.chunkfile import sha256_file
+
     run_dir = Path(run_dir)
     sdir = stream_dir(run_dir)
     left: list[tuple[str, str]] = []
     with locked(sdir):
+        picked = [
+            (seq, c, why, _identity(run_dir / c["path"]))
+            for seq, c, why in _freeable(run_dir, read_state(sdir), ss.final_pass)
+        ]
+    hashed: dict[int, str] = {}
+    for seq, c, why, _ in picked:
+        if why == UNPROVEN:
+            try:
+                hashed[seq] = sha256_file(run_dir / c["path"])
+            except FileNotFoundError:
+                continue
+    gone: list[str] = []
+    with locked(sdir):
         st = read_state(sdir)
-        sizes = {c["path"]: int(c["bytes"]) for c in st.chunks.values()}
-        gone = delete_acked(run_dir, st, ss.final_pass, rehash=True, left=left)
+        for seq, c, _, ident in picked:
+            now = st.chunks.get(seq)
+            same = now is not None and all(
+                now.get(k) == c.get(k) for k in ("path", "sha256", "rev")
+            )
+            if not same or not st.is_acked(seq, ss.final_pass) or seq in st.deleted:
+                continue  # redone, or freed by a gate meanwhile: not what was picked
+            if _identity(run_dir / c["path"]) != ident:
+                continue  # written to while hashed: the next gc looks again
+            verdict = _not_ours(run_dir, c, hashed.get(seq))
+            if verdict is None:
+                _unlink_acked(run_dir, seq, c)
+                gone.append(c["path"])
+                continue
+            left.append((c["path"], verdict))
+            if seq in hashed:  # a verdict on these very bytes: status counts them no more
+                append_line(sdir / GC_LEFT, {"seq": seq, "path": c["path"],
+                                             "identity": list(ident or ()), "why": verdict,
+                                             "at": round(time.time(), 3)})  # fmt: skip
         record_usage(run_dir, read_state(sdir), ss, "gc", "")
-    return {"deleted": gone, "freed_bytes": sum(sizes[p] for p in gone), "left": left}
+    return {"deleted": gone, "freed_bytes": sum(int(c["bytes"]) for _, c, _, _ in picked
+                                                if c["path"] in gone), "left": left}  # fmt: skip
 
 
 def acked_on_disk(run_dir: Path, st: StreamState, final_pass: int) -> list[dict[str, Any]]:
-    """Announced payloads acked for good, still on disk and ours (:func:`_not_ours`, by
-    size: a status reads no payload): what the next gate, or ``hsextract stream gc``,
-    frees.  Only those the deletion log does not name are looked at."""
+    """Announced payloads acked for good, still on disk, that the next gate or ``hsextract
+    stream gc`` frees: ours by :func:`_not_ours` (a stat: a status reads no payload), or
+    written to since announced (gc hashes it) unless gc already hashed these very bytes and
+    left them (``gc_left.jsonl``).  Only those the deletion log does not name are looked at."""
+    gc_left = {
+        (int(v["seq"]), tuple(v["identity"])) for v in read_lines(stream_dir(run_dir) / GC_LEFT)
+    }
     return [
         c
-        for s, c in sorted(st.chunks.items())
-        if st.is_acked(s, final_pass) and s not in st.deleted
-        and _not_ours(run_dir, c, rehash=False) is None
-    ]  # fmt: skip
+        for s, c, why in _freeable(run_dir, st, final_pass)
+        if why is None or (why == UNPROVEN and (s, _identity(run_dir / c["path"])) not in gc_left)
+    ]
 
 
 def usage_figures(run_dir: Path, st: StreamState, ss: StreamSettings) -> dict[str, Any]:
@@ -449,8 +578,11 @@ def wait_for_room(
             if any(c["chunk"] == name and c["pass"] == pass_ for c in st.unacked(ss.final_pass)):
                 # A redo of a chunk announced and not acked (its payload lost, or nacked):
                 # its room is held (unacked_bytes), and the trainer waits for it, so
-                # waiting here for acks would deadlock both.  No reservation: its bytes
-                # count already.
+                # waiting here for acks would deadlock both.  No bytes reserved: its bytes
+                # count already; a marker tells the other gates its redo is under way.
+                marker = {"redo_of": [name, pass_], "host": socket.gethostname(),
+                          "pid": os.getpid(), "at": round(time.time(), 3)}  # fmt: skip
+                _reserve(sdir, chunk, marker)
                 return {"waited_s": 0.0, "unacked_bytes": unacked_bytes(run_dir, st, ss.final_pass),
                         "reserved_bytes": 0, "estimate_bytes": 0, "redo": True}  # fmt: skip
             est = estimate_bytes(st, tokens, raw_bytes_per_token)
@@ -484,6 +616,11 @@ def wait_for_room(
             if not gate.get("paused"):
                 gate = {"paused": True, "since": round(time.time(), 3), "by": chunk}
                 _write_json(sdir / GATE, gate)
+            # Shut while the trainer waits for a redo nothing runs: no ack will open it.
+            running = _redos_running(sdir)
+            for n in open_nacks(st, ss.final_pass):
+                if (n["chunk"], n["pass"]) not in running:
+                    raise _stuck_on_nack(run_dir, chunk, n)
             # Shut, or still shut after an ack: a sample whenever what it sees changed.
             sampled = record_usage(run_dir, st, ss, "wait", chunk, sampled)
         now = time.monotonic()
@@ -535,6 +672,7 @@ def summary(run_dir: Path, final_pass: int = 1, *, budget_bytes: int | None = No
     oldest = min(unacked, key=lambda c: c["at"], default=None)
     deleted = [d for d in st.deleted.values() if d.get("why", "ack") == "ack"]
     waiting = acked_on_disk(run_dir, st, final_pass)
+    running = _redos_running(sdir)
     return {
         "announced": len(st.chunks),
         "acked": sum(1 for s in st.chunks if st.is_acked(s, final_pass)),
@@ -548,7 +686,11 @@ def summary(run_dir: Path, final_pass: int = 1, *, budget_bytes: int | None = No
         "passes_ended": sorted(st.ends),
         "deleted": len(deleted),
         "deleted_bytes": sum(d["bytes"] for d in deleted),
-        "nacked": sorted(st.nacked),
+        # Nacks the trainer waits on: the gate's waiting text and status name them.
+        "nacked": [
+            {**n, "redo_running": (n["chunk"], n["pass"]) in running}
+            for n in open_nacks(st, final_pass)
+        ],
         "acked_on_disk": len(waiting),
         "acked_on_disk_bytes": sum(int(c["bytes"]) for c in waiting),
     }
@@ -567,5 +709,19 @@ def waiting_text(info: dict[str, Any]) -> str:
     head = f"{info['chunk']}: waiting for the trainer, " if "chunk" in info else ""
     return (
         f"{head}{info['unacked_bytes'] / GB:.3g} GB in {info['unacked']} chunks not yet "
-        f"acknowledged{of}{since}"
+        f"acknowledged{of}{since}{''.join(_nack_text(n) for n in info.get('nacked', []))}"
+    )
+
+
+def _nack_text(n: dict[str, Any]) -> str:
+    """An open nack, as the waiting text and ``hsextract status`` say it."""
+    if n.get("redo_running"):
+        then = "its redo is running"
+    elif n.get("taken_up"):
+        then = "a plan took it up: its redo is a job of this run"
+    else:
+        then = "a new run redoes it (a chunk job at a shut gate stops, saying how)"
+    return (
+        f"; the trainer nacked {n['chunk']} (seq {n['seq']}, pass {n['pass']}) and waits for "
+        f"its redo, acking nothing meanwhile: {then}"
     )

@@ -311,7 +311,9 @@ def announce(
     """
     run_dir = Path(run_dir)
     sdir = stream_dir(run_dir)
-    size = (run_dir / path).stat().st_size
+    # The payload's identity as announced: the producer's deletion rule (stream.gate) frees
+    # only this file, unwritten since (a stat, where a sha256 would read it).
+    fs = (run_dir / path).stat()
     with locked(sdir):
         st = read_state(sdir)
         old = st.find(chunk, pass_)
@@ -333,7 +335,9 @@ def announce(
             "seq": seq,
             "chunk": chunk,
             "path": path,
-            "bytes": size,
+            "bytes": fs.st_size,
+            "ino": fs.st_ino,
+            "mtime_ns": fs.st_mtime_ns,
             "sha256": sha256,
             "records": records,
             "tokens": tokens,
