@@ -498,6 +498,11 @@ def test_speculators_trainer_settings_that_cannot_ack_are_refused_in_one_sentenc
         AckOnCheckpoint(tmp_path, checkpoint_chunks=1).attach(
             _trainer(tmp_path, tmp_path / "d", dl, resume=True)
         )
+    # A new training over an epoch directory it did not write: its saves would replace it.
+    t = _trainer(tmp_path, tmp_path / "d", dl)
+    with pytest.raises(journal.StreamError, match="AckOnCheckpoint did not write") as e:
+        AckOnCheckpoint(tmp_path, checkpoint_chunks=1).attach(t)
+    assert "\n" not in str(e.value) and (tmp_path / "d" / "0" / "model.safetensors").exists()
 
 
 def test_the_packing_sampler_yields_every_record_once_on_every_rank(tmp_path):
