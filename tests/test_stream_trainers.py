@@ -266,6 +266,208 @@ def test_speculators_own_trainer_resumes_mid_pass_without_the_chunks_it_acked(
     assert acked == set(range(n_chunks))
 
 
+def _trained(model) -> list[torch.Tensor]:
+    """The weights a checkpoint saves (the verifier's are not)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+class _Resumes:
+    """A run of 6 chunks x 4 records (2 a batch: 12 steps) trained by speculators'
+    Trainer through AckOnCheckpoint, killed and resumed: each record's global step when
+    read, and the weights of each step a checkpoint was committed at (before its ack)."""
+
+    def __init__(self, tmp: Path, checkpoint_chunks: int = 1) -> None:
+        self.run, self.out, self.n_chunks, self.tokens = tmp / "run", tmp / "ckpt", 6, 30
+        self.checkpoint_chunks = checkpoint_chunks
+        for i in range(self.n_chunks):
+            side = write_chunk(self.run, i, RECORDS, tokens=self.tokens, prenorm=True)
+            announce(self.run, side, self.n_chunks)
+        self.fetched: list[tuple[int, tuple[int, int]]] = []
+        self.weights: dict[int, list[torch.Tensor]] = {}
+
+    def trainer(self, resume: bool):
+        from hsextract.stream.speculators import AckOnCheckpoint, speculators_loader
+
+        dl = speculators_loader(self.run, 2 * self.tokens, H, num_target_layers=K,
+                                preprocess=_shift_small_ids, hidden_states_dtype=torch.float32,
+                                seed=3, timeout_s=60)  # fmt: skip
+        t = _trainer(self.run, self.out, dl, resume=resume, checkpoint_freq=1)
+        read = dl.dataset._get_raw_data
+
+        def spy(key):
+            self.fetched.append((t.global_step, key))  # num_workers 0: as the step starts
+            return read(key)
+
+        dl.dataset._get_raw_data = spy
+        hook = AckOnCheckpoint(self.run, checkpoint_chunks=self.checkpoint_chunks)
+        hook.attach(t)
+        real_ack = hook._acker.ack
+
+        def ack(seqs, *, pass_, step):
+            self.weights[step] = [p.detach().clone() for p in _trained(t.model)]
+            real_ack(seqs, pass_=pass_, step=step)
+
+        hook._acker.ack = ack
+        return t, hook
+
+    def acked(self) -> set[int]:
+        lines = journal.read_lines(self.run / "stream" / "acks.jsonl")
+        return {s for a in lines if a["type"] == "ack" for s in a["seqs"]}
+
+    def resume_and_check(self) -> None:
+        """As the workflow does, delete the acked chunks; a new Trainer resumes from the
+        last committed checkpoint (its weights) and trains exactly what it did not cover."""
+        for seq in self.acked():
+            (self.run / "hidden" / f"chunk_{seq:05d}.safetensors").unlink()
+        second, _ = self.trainer(resume=True)
+        at = second.global_step
+        assert at in self.weights, (at, sorted(self.weights))
+        for p, w in zip(_trained(second.model), self.weights[at], strict=True):
+            assert torch.equal(p, w.bfloat16().float())  # the checkpointer saves bf16
+        done = [k for g, k in self.fetched if g < at]
+        self.fetched.clear()
+        second.run_training()
+        assert Counter(done) + Counter(k for _, k in self.fetched) == Counter(
+            (i, j) for i in range(self.n_chunks) for j in range(RECORDS)
+        )
+        assert second.global_step == self.n_chunks * RECORDS // 2
+        assert self.acked() == set(range(self.n_chunks))
+        assert sorted(p.name for p in self.out.iterdir() if not p.is_symlink()) == ["0"]
+
+
+def _kill_in(what: str, t, hook, at: int) -> None:
+    """Make the Trainer's ``at``-th checkpoint save (or its ack) raise partway through,
+    leaving what a kill there leaves on disk."""
+    ck, calls = t.checkpointer, Counter()
+
+    def nth(name: str) -> bool:
+        calls[name] += 1
+        return calls[name] == at
+
+    if what == "optimizer":  # the model written, the optimizer's file half written
+        real = ck.save_checkpoint
+
+        def save_checkpoint(model, optimizer, epoch, *a, **k):
+            real(model, optimizer, epoch, *a, **k)
+            if nth(what):
+                path = ck.optimizer_path(epoch)
+                path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+                raise RuntimeError("killed")
+
+        ck.save_checkpoint = save_checkpoint
+    elif what == "scheduler":  # model, optimizer and scheduler written, not training_state
+        real = ck.save_scheduler_state_dict
+
+        def save_scheduler_state_dict(schedulers, epoch):
+            real(schedulers, epoch)
+            if nth(what):
+                raise RuntimeError("killed")
+
+        ck.save_scheduler_state_dict = save_scheduler_state_dict
+    elif what == "training_state":  # its write_text cut short
+        real = t._save_training_state
+
+        def save_training_state(epoch, local_step):
+            real(epoch, local_step)
+            if nth(what):
+                path = t._training_state_path(epoch)
+                path.write_text(path.read_text()[:10])
+                raise RuntimeError("killed")
+
+        t._save_training_state = save_training_state
+    else:  # "ack": the checkpoint committed (its weights recorded), its chunks not acked
+        real = hook._acker.ack
+
+        def ack(seqs, *, pass_, step):
+            real([] if nth(what) else seqs, pass_=pass_, step=step)
+            if calls[what] == at:
+                raise RuntimeError("killed")
+
+        hook._acker.ack = ack
+
+
+@pytest.mark.parametrize("what", ["optimizer", "scheduler", "training_state", "ack"])
+def test_speculators_trainer_killed_while_checkpointing_resumes_from_a_whole_checkpoint(
+    tmp_path, monkeypatch, what
+):
+    """speculators writes each checkpoint of an epoch over the last, in place: a kill
+    during the third save (or after it, before its ack) must leave a checkpoint to resume
+    from that matches the chunks acked (and deleted) so far, whose weights are those of
+    its step, and whose chunks are acked once resumed.  CPU-only: _speculators_on_cpu."""
+    _speculators_on_cpu(monkeypatch)
+    r = _Resumes(tmp_path)
+    first, hook = r.trainer(resume=False)
+    _kill_in(what, first, hook, at=3)
+    with pytest.raises(RuntimeError, match="killed"):
+        first.run_training()
+    assert 0 < len(r.acked()) < r.n_chunks
+    r.resume_and_check()
+
+
+def test_speculators_trainer_killed_before_the_ack_of_its_epoch_end_acks_it_on_resume(
+    tmp_path, monkeypatch
+):
+    """Killed after the end-of-epoch checkpoint, before its ack: speculators resumes at
+    the next epoch, which reads another pass; the chunks that checkpoint covered are acked
+    on resume, not left unacked for good.  CPU-only: _speculators_on_cpu."""
+    _speculators_on_cpu(monkeypatch)
+    r = _Resumes(tmp_path, checkpoint_chunks=4)  # the epoch's end covers the last 2 chunks
+    first, hook = r.trainer(resume=False)
+    _kill_in("ack", first, hook, at=2)
+    with pytest.raises(RuntimeError, match="killed"):
+        first.run_training()
+    assert first.global_step == r.n_chunks * RECORDS // 2 and len(r.acked()) == 4
+    r.resume_and_check()
+
+
+def test_speculators_trainer_killed_while_swapping_a_checkpoint_in_is_refused_with_the_fix(
+    tmp_path, monkeypatch
+):
+    """Killed between renaming the epoch's checkpoint away and the new one in: the next
+    Trainer (built before attach) resumed without it, so attach refuses in one sentence
+    saying the mv that restores it; done, the resume is exact.  A training_state.json that
+    no longer records the step the checkpoint covers is refused too, with what to write.
+    CPU-only: _speculators_on_cpu."""
+    import os
+    import re
+
+    from hsextract.stream.speculators import AckOnCheckpoint
+
+    _speculators_on_cpu(monkeypatch)
+    r = _Resumes(tmp_path)
+    first, _ = r.trainer(resume=False)
+    rename, renames = os.rename, Counter()
+
+    def killed_rename(src, dst):
+        src = Path(src)
+        if src.parent.name == AckOnCheckpoint.STAGING and src.name == "0":
+            renames[src] += 1
+            if renames[src] == 3:
+                raise RuntimeError("killed")
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", killed_rename)
+    with pytest.raises(RuntimeError, match="killed"):
+        first.run_training()
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(journal.StreamError) as e:
+        r.trainer(resume=True)
+    said = str(e.value)
+    assert "\n" not in said
+    src, dst = re.search(r"`mv (\S+) (\S+)`", said).groups()
+    os.rename(src, dst)
+    state = r.out / "0" / "training_state.json"
+    whole = state.read_text()
+    state.write_text(whole[:10])  # torn: speculators reads it as the epoch's end
+    with pytest.raises(journal.StreamError, match="does not record step") as e:
+        r.trainer(resume=True)
+    assert "\n" not in str(e.value)
+    wrote = json.loads(re.search(r"write (\{.*?\}) to it", str(e.value)).group(1))
+    assert wrote == json.loads(whole)
+    state.write_text(json.dumps(wrote))
+    r.resume_and_check()
+
+
 def test_speculators_trainer_settings_that_cannot_ack_are_refused_in_one_sentence(
     tmp_path, monkeypatch
 ):
@@ -296,6 +498,11 @@ def test_speculators_trainer_settings_that_cannot_ack_are_refused_in_one_sentenc
         AckOnCheckpoint(tmp_path, checkpoint_chunks=1).attach(
             _trainer(tmp_path, tmp_path / "d", dl, resume=True)
         )
+    # A new training over an epoch directory it did not write: its saves would replace it.
+    t = _trainer(tmp_path, tmp_path / "d", dl)
+    with pytest.raises(journal.StreamError, match="AckOnCheckpoint did not write") as e:
+        AckOnCheckpoint(tmp_path, checkpoint_chunks=1).attach(t)
+    assert "\n" not in str(e.value) and (tmp_path / "d" / "0" / "model.safetensors").exists()
 
 
 def test_the_packing_sampler_yields_every_record_once_on_every_rank(tmp_path):

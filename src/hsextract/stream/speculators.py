@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -390,16 +391,31 @@ class AckOnCheckpoint:
     being extracted), taking none in the last quarter interval nor past the estimate.
     Its own checkpoints still happen and are acked too.
 
-    After each checkpoint of an epoch (not ``interrupted``, which speculators does not
-    resume from) rank 0 checks the Trainer's ``training_state.json`` records this very
-    step, fsyncs the checkpoint's files (speculators does not), writes the sampler's
-    state beside them (:data:`STATE`, temp name + rename) and then acks the chunks it
-    covers with ``pass = epoch + 1``.  On attach, a Trainer resuming mid-epoch loads that
-    state into the sampler (speculators' fast-skip needs the whole epoch's batch list).
+    speculators writes every checkpoint of an epoch into the same ``<save_path>/<epoch>/``,
+    in place and not atomically, so a kill during a save would tear the checkpoint whose
+    chunks were already acked and deleted.  So each checkpoint of an epoch (not
+    ``interrupted``, which speculators does not resume from) is written into
+    ``<save_path>/hsextract-staging/<epoch>/``; rank 0 then checks its
+    ``training_state.json`` records this very step, fsyncs its files (speculators does
+    not), writes the sampler's state and the chunks covered so far beside them
+    (:data:`STATE`, temp name + rename), swaps it in for ``<epoch>/`` (the old one renamed
+    to ``<epoch>.hsextract-prev`` first), acks the chunks it covers with ``pass = epoch +
+    1`` and removes the old one.  A kill before the swap leaves the last committed
+    checkpoint in place; after it, the new one, committed: on attach rank 0 acks again what
+    it covers (a kill may have come before the ack) and removes the leftovers.  Only a
+    kill between the two renames leaves no ``<epoch>/``, which the Trainer has already
+    resumed without: refused, saying the ``mv`` that restores it.  A Trainer resuming
+    mid-epoch loads the sampler's state (speculators' fast-skip needs the whole epoch's
+    batch list).
     """
 
     #: The sampler's state, in the Trainer's checkpoint directory of the epoch.
     STATE = "hsextract_stream.json"
+    #: Where the Trainer writes a checkpoint before it replaces the epoch's (a name
+    #: speculators' resume ignores: not an integer).
+    STAGING = "hsextract-staging"
+    #: The suffix of the epoch's previous checkpoint while the new one is swapped in.
+    PREV = ".hsextract-prev"
 
     def __init__(self, run_dir: str | os.PathLike[str], *, checkpoint_chunks: int) -> None:
         if checkpoint_chunks < 1:
@@ -410,6 +426,8 @@ class AckOnCheckpoint:
         self._epoch = 0
         self._step = 0  # the Trainer's local_step in the epoch
         self._saved: tuple[int, int] | None = None  # (epoch, local_step) last committed
+        # The chunks covered by the checkpoint resumed from (its epoch's, before this run).
+        self._before: list[int] = []
 
     def attach(self, trainer: Any) -> None:
         """Hook into ``trainer`` (before ``run_training``); refuses, in one sentence, a
@@ -440,31 +458,81 @@ class AckOnCheckpoint:
             self._acker = AckWriter(self.run_dir)
         ck = trainer.checkpointer
         resume_at = int(getattr(trainer, "_resume_local_step", 0))
-        if trainer.resume_from_checkpoint and ck.previous_epoch != -1 and resume_at > 0:
-            self._load(ck.path / str(trainer.current_epoch), resume_at)
+        # The epochs whose directories this run's saves replace (mid-epoch, _resume checks
+        # the one resumed from).
+        start = int(trainer.current_epoch) + (1 if resume_at > 0 else 0)
+        self._recover(Path(ck.path), start, int(cfg.num_epochs))
+        if trainer.resume_from_checkpoint and ck.previous_epoch != -1:
+            self._resume(Path(ck.path), int(ck.previous_epoch), resume_at)
         self._orig_save = trainer.maybe_save_checkpoint
         self._orig_epoch = trainer.train_epoch
         # Instance attributes shadow the methods: run_training and train_epoch call these.
         trainer.maybe_save_checkpoint = self._save
         trainer.train_epoch = self._train_epoch
 
-    def _load(self, ckpt_dir: Path, at: int) -> None:
-        path = ckpt_dir / self.STATE
+    def _recover(self, root: Path, start: int, epochs: int) -> None:
+        """What a kill during a save left: an epoch whose old checkpoint was renamed away
+        and whose new one was not yet renamed in is refused (the Trainer, built before
+        this, resumed without it); rank 0 removes a staged save and a replaced checkpoint
+        (the new one is committed).  An epoch directory this run would replace that holds
+        no :data:`STATE` is not ours to remove: refused."""
+        for prev in sorted(root.glob(f"*{self.PREV}")):
+            ckpt_dir = root / prev.name.removesuffix(self.PREV)
+            if not (ckpt_dir / self.STATE).exists():
+                raise StreamError(
+                    f"the Trainer stopped while swapping in a checkpoint of epoch "
+                    f"{ckpt_dir.name}, so it resumed without that epoch's last committed one: "
+                    f"run `mv {prev} {ckpt_dir}` and start the training again"
+                )
+        for epoch in range(start, epochs):
+            ckpt_dir = root / str(epoch)
+            if ckpt_dir.is_dir() and not (ckpt_dir / self.STATE).exists():
+                raise StreamError(
+                    f"{ckpt_dir} holds a checkpoint AckOnCheckpoint did not write, which this "
+                    "Trainer's checkpoints would replace; move it out of the Trainer's "
+                    "save_path (or use another save_path) and start again"
+                )
+        if self._rank == 0:
+            for leftover in [root / self.STAGING, *root.glob(f"*{self.PREV}")]:
+                if leftover.is_dir() and not leftover.is_symlink():
+                    shutil.rmtree(leftover)
+
+    def _resume(self, root: Path, previous: int, at: int) -> None:
+        """The Trainer resumed from ``<previous>/``: mid-epoch (``at`` > 0) the sampler
+        resumes from its :data:`STATE`; either way rank 0 acks the chunks it covers that
+        are not acked yet (the kill may have come between its commit and its ack)."""
+        path = root / str(previous) / self.STATE
         try:
             state = json.loads(path.read_text())
         except (OSError, ValueError):
+            if at == 0:
+                return  # an epoch's end not taken through AckOnCheckpoint: nothing to resume
             raise StreamError(
                 f"{path} is missing or unreadable: the Trainer's checkpoint at step {at} was "
                 "not taken through AckOnCheckpoint, so which chunks it covers (some may be "
                 "acked and deleted) is unknown; resume from one AckOnCheckpoint wrote"
             ) from None
-        if int(state["sampler"]["at"]) > at:
+        if at == 0 and int(state["local_step"]) > 0:
+            ts = {k: state[k] for k in ("epoch", "local_step", "global_step")}
             raise StreamError(
-                f"{path} is of step {state['sampler']['at']}, after the Trainer's checkpoint "
-                f"step {at} in {ckpt_dir}: not the same checkpoint; resume from one "
-                "AckOnCheckpoint wrote"
+                f"{path.parent / 'training_state.json'} does not record step "
+                f"{state['local_step']} of epoch {previous} that {path} covers, so the Trainer "
+                f"would skip the rest of that pass; write {json.dumps(ts)} to it and start "
+                "the training again"
             )
-        self.sampler.load_state_dict(state["sampler"], at=at)
+        if at > 0:
+            if int(state["sampler"]["at"]) > at:
+                raise StreamError(
+                    f"{path} is of step {state['sampler']['at']}, after the Trainer's "
+                    f"checkpoint step {at} in {path.parent}: not the same checkpoint; resume "
+                    "from one AckOnCheckpoint wrote"
+                )
+            self.sampler.load_state_dict(state["sampler"], at=at)
+            self._before = [int(s) for s in state.get("covered", [])]
+        if self._rank == 0:
+            acked = read_state(stream_dir(self.run_dir)).acked
+            todo = [s for s in state.get("covered", []) if acked.get(s, (0,))[0] < previous + 1]
+            self._acker.ack(todo, pass_=previous + 1, step=int(state["global_step"]))
 
     def _train_epoch(self, epoch: int, **kwargs: Any) -> None:
         t = self.trainer
@@ -473,6 +541,8 @@ class AckOnCheckpoint:
         resumed = epoch == getattr(t, "current_epoch", epoch)
         self._step = int(getattr(t, "_resume_local_step", 0)) if resumed else 0
         self.acked = []
+        if not resumed:
+            self._before = []
         theirs = kwargs.pop("step_callback", None)
 
         def on_step() -> None:
@@ -486,11 +556,29 @@ class AckOnCheckpoint:
         self._orig_epoch(epoch, step_callback=on_step, **kwargs)
 
     def _save(self, epoch: int | str, local_step: int = 0) -> None:
-        if isinstance(epoch, int) and local_step > 0 and self._saved == (epoch, local_step):
+        if not isinstance(epoch, int):  # speculators resumes only from an epoch's checkpoint
+            self._orig_save(epoch, local_step=local_step)
+            return
+        if local_step > 0 and self._saved == (epoch, local_step):
             return  # this very step was just checkpointed (ours, then the Trainer's own)
-        self._orig_save(epoch, local_step=local_step)
-        if not isinstance(epoch, int):
-            return  # "interrupted": speculators resumes only from an epoch's checkpoint
+        ck = self.trainer.checkpointer
+        root = Path(ck.path)
+        staging = root / self.STAGING
+        if self._rank == 0:
+            if (staging / str(epoch)).is_dir():  # a save of this run that raised
+                shutil.rmtree(staging / str(epoch))
+            staging.mkdir(parents=True, exist_ok=True)
+            command = root / ck.TRAIN_COMMAND_FILENAME  # the Trainer copies it in
+            if command.is_file():
+                shutil.copy2(command, staging / command.name)
+        # The Trainer writes everything under its checkpointer's path (model, optimizer,
+        # scheduler, training_state.json, the epoch<e>_step<n> link): aside, until
+        # _commit swaps it in whole.
+        ck.path = staging
+        try:
+            self._orig_save(epoch, local_step=local_step)
+        finally:
+            ck.path = root
         # The end of an epoch (local_step 0) covers what was trained in it: with max_steps
         # the Trainer stops mid-pass and still calls it the end.
         steps = local_step if local_step > 0 else self._step
@@ -501,10 +589,12 @@ class AckOnCheckpoint:
         self._saved = (epoch, local_step)
 
     def _commit(self, epoch: int, local_step: int, steps: int, new: list[int]) -> None:
-        """Rank 0, after the Trainer saved: make it durable, then ack what it covers."""
+        """Rank 0, after the Trainer saved aside: make it durable, swap it in for the
+        epoch's checkpoint, ack what it covers, then remove the one it replaced."""
         t = self.trainer
-        ckpt_dir = Path(t.checkpointer.path) / str(epoch)
-        state_path = t._training_state_path(epoch)
+        root = Path(t.checkpointer.path)
+        staged = root / self.STAGING / str(epoch)
+        state_path = staged / "training_state.json"
         try:
             saved = json.loads(state_path.read_text())
         except (OSError, ValueError):
@@ -515,13 +605,27 @@ class AckOnCheckpoint:
                 "Trainer saved its checkpoint there, so no chunk is acked; is its "
                 "checkpointer writing elsewhere?"
             )
-        for f in sorted(ckpt_dir.iterdir()):
+        for f in sorted(staged.iterdir()):
             if f.is_file() and not f.is_symlink():
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
         state = {"epoch": epoch, "local_step": local_step, "global_step": t.global_step,
-                 "sampler": self.sampler.state_dict(steps)}  # fmt: skip
-        _write_atomic(ckpt_dir / self.STATE, json.dumps(state).encode())
-        _fsync_dir(ckpt_dir)
-        _fsync_dir(ckpt_dir.parent)
+                 "sampler": self.sampler.state_dict(steps),
+                 "covered": self._before + self.acked + new}  # fmt: skip
+        _write_atomic(staged / self.STATE, json.dumps(state).encode())
+        _fsync_dir(staged)
+        ckpt_dir, prev = root / str(epoch), root / f"{epoch}{self.PREV}"
+        if ckpt_dir.exists():
+            ckpt_dir.rename(prev)
+        staged.rename(ckpt_dir)
+        for old in root.glob(f"epoch{epoch}_*"):
+            if old.is_symlink():
+                old.unlink()
+        for link in staged.parent.glob(f"epoch{epoch}_*"):
+            if link.is_symlink():
+                link.rename(root / link.name)
+        shutil.rmtree(staged.parent)  # what is left there is ours (train_command.txt's copy)
+        _fsync_dir(root)
         self._acker.ack(new, pass_=epoch + 1, step=t.global_step)
+        if prev.is_dir():
+            shutil.rmtree(prev)
