@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 from fixtures_demo import kill_processes_under
 
+from hsextract.records import INDEX_FORMAT
 from hsextract.stream import journal
 from tests.test_stream import wait_for
 from tests.test_stream_trainers import (
@@ -61,6 +62,18 @@ def two_gpus():
         f"{n} CUDA device(s) here; this test needs {WORLD} of one host (device kind "
         "nvidia-h100-x2: h200/README.md), or HSEXTRACT_DDP_CPU=1 for the CPU check"
     )
+
+
+def plan(run: Path) -> None:
+    """``chunks/index.json`` as the workflow's plan writes it before any chunk (the field
+    read here): the sampler's ``len()`` -- by which speculators' Trainer sizes its LR
+    schedule and times its recovery syncs, on every rank -- then counts the run's planned
+    tokens, the same on both ranks, not the chunks announced when each rank asks."""
+    index = run / "chunks" / "index.json"
+    index.parent.mkdir(parents=True)
+    chunks = [{"chunk": f"chunk_{i:05d}", "records": RECORDS, "tokens": RECORDS * TOKENS}
+              for i in range(N_CHUNKS)]  # fmt: skip
+    index.write_text(json.dumps({"format": INDEX_FORMAT, "chunks": chunks}))
 
 
 def launch(job: Path, run: Path, out: Path, log: Path, *extra: str) -> subprocess.Popen:
@@ -137,6 +150,7 @@ def test_speculators_trainer_under_ddp_trains_from_a_run_in_progress_under_a_bud
     bpt = _bytes_per_token(tmp_path / "scratch")
     ss = _settings(bpt)  # room for one rank's window: speculators' ranks share each chunk
     producer = Producer(run, ss, bpt)
+    plan(run)
     producer.start()
     try:
         job = launch(tmp_path / "job", run, out, log)
@@ -178,6 +192,7 @@ def test_a_rank_killed_mid_pass_and_the_job_resumed_trains_each_record_once(
     bpt = _bytes_per_token(tmp_path / "scratch")
     ss = _settings(bpt)
     producer = Producer(run, ss, bpt)
+    plan(run)
     producer.start()
     try:
         job = launch(tmp_path / "job1", run, out, log1, "--die-at-step", str(DIE_STEP),
