@@ -17,6 +17,9 @@ import torch
 
 from hsextract.stream import gate, journal
 from hsextract.stream.receipts import redo_nacked
+from tests.stream_speculators_rank import V, speculators_on_cpu, start_rank
+from tests.stream_speculators_rank import make_trainer as _trainer
+from tests.stream_speculators_rank import shift_small_ids as _shift_small_ids
 from tests.test_stream import (
     H,
     K,
@@ -29,7 +32,6 @@ from tests.test_stream import (
 )
 
 N_CHUNKS, RECORDS, TOKENS = 10, 4, 300
-V = 64  # the tiny models' vocabulary: write_chunk's ids (chunk x 1000 + record) mod V
 
 
 def _bytes_per_token(tmp: Path) -> int:
@@ -88,105 +90,25 @@ def all_keys() -> Counter:
 # -- speculators ----------------------------------------------------------------------
 
 
-def tiny_eagle3():
-    """speculators' own EAGLE-3 draft model, tiny, eager attention (CPU)."""
-    from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.models.eagle3 import Eagle3SpeculatorConfig
-    from speculators.models.eagle3.core import Eagle3DraftModel
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
-    from transformers import LlamaConfig
-
-    tl = LlamaConfig(hidden_size=H, intermediate_size=8, num_hidden_layers=1,
-                     num_attention_heads=1, num_key_value_heads=1, vocab_size=V,
-                     max_position_embeddings=64)  # fmt: skip
-    tl._attn_implementation = "eager"
-    cfg = Eagle3SpeculatorConfig(
-        transformer_layer_config=tl, draft_vocab_size=V, norm_before_residual=True,
-        eagle_aux_hidden_state_layer_ids=[1, 2, 3],
-        speculators_config=SpeculatorsConfig(
-            algorithm="eagle3", default_proposal_method="greedy",
-            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=2)],
-            verifier=VerifierConfig.from_config(tl, name_or_path=None)),
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = Eagle3DraftModel(cfg)
-    with torch.no_grad():  # the constructor leaves weights uninitialised
-        for p in model.parameters():
-            p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
-    return model
-
-
-def _speculators_on_cpu(monkeypatch) -> None:
-    """The CPU-only substitutions speculators' Trainer needs (0.9.0 has no knob for any):
-    it moves the model and each batch to ``get_local_rank()`` (the int 0, i.e. cuda:0),
-    its step timer calls ``torch.accelerator.synchronize()``, which raises without an
-    accelerator, and its checkpointer loads onto ``get_current_device()`` ("cuda:0"
-    without one).  Here the device is "cpu" and synchronizing does nothing (CPU work is
-    synchronous).  Its autocast("cuda") disables itself on a CPU, with a warning."""
-    import speculators.train.checkpointer as checkpointer_mod
-    import speculators.train.trainer as trainer_mod
-
-    monkeypatch.setattr(trainer_mod, "get_local_rank", lambda: "cpu")
-    monkeypatch.setattr(checkpointer_mod, "get_current_device", lambda: "cpu")
-    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a, **k: None)
-
-
-def _trainer(run: Path, out: Path, dl, *, resume: bool = False, **config):
-    from speculators.losses import resolve_loss_config
-    from speculators.train.trainer import Trainer, TrainerConfig
-
-    kw = {"ttt_steps": 2, "ttt_step_loss_decay": 1.0,
-          "loss_config": resolve_loss_config("kl_div", "eager")}  # fmt: skip
-    cfg = TrainerConfig(lr=1e-2, num_epochs=1, save_path=str(out), resume_from_checkpoint=resume,
-                        train_call_kwargs=kw, hidden_states_dtype=torch.float32,
-                        **config)  # fmt: skip
-    return Trainer(tiny_eagle3(), cfg, dl)
-
-
-def _shift_small_ids(item: dict) -> dict:
-    """speculators' ``shift_batch``, ids folded into the tiny model's vocabulary."""
-    from speculators.models.eagle3.data import shift_batch
-
-    return shift_batch({**item, "input_ids": item["input_ids"] % V})
-
-
 def test_speculators_own_trainer_trains_from_a_run_in_progress_under_a_budget(
     tmp_path, monkeypatch
 ):
     """speculators' ``Trainer.run_training`` (its loop, AdamW + linear schedule, its
     checkpointer) reads a run in progress through ``speculators_loader``, with
-    ``AckOnCheckpoint`` acking after each checkpoint it commits.  CPU-only substitution:
-    :func:`_speculators_on_cpu` (the device it moves tensors to; a no-op synchronize)."""
-    from hsextract.stream.speculators import AckOnCheckpoint, speculators_loader
-
-    _speculators_on_cpu(monkeypatch)
+    ``AckOnCheckpoint`` acking after each checkpoint it commits (each ack checked against
+    the checkpoint on disk first).  The rank's body is tests/stream_speculators_rank.py's,
+    which tests/live/test_stream_ddp_live.py runs on 2 GPUs.  CPU-only substitution:
+    ``speculators_on_cpu`` (the device it moves tensors to; a no-op synchronize)."""
+    speculators_on_cpu(monkeypatch.setattr)
     run, out = tmp_path / "run", tmp_path / "ckpt"
     bpt = _bytes_per_token(tmp_path / "scratch")
     ss = _settings(bpt)
     producer = Producer(run, ss, bpt)
-    dl = speculators_loader(run, 2 * TOKENS, H, num_target_layers=K, preprocess=_shift_small_ids,
-                            hidden_states_dtype=torch.float32, num_workers=1,
-                            prefetch_factor=1, seed=1, timeout_s=60)  # fmt: skip
     # speculators' loader settings: its CollateFn, a spawned worker, prefetch (1 batch =
     # half a chunk here, within the 2 chunks the window gives a rank).
-    # checkpoint_freq 1 (speculators' default): its own checkpoint only ends the epoch.
-    trainer = _trainer(run, out, dl, checkpoint_freq=1)
-    before = [p.detach().clone() for p in trainer.model.parameters()]
-    hook = AckOnCheckpoint(run, checkpoint_chunks=ss.checkpoint_chunks)
-    hook.attach(trainer)
-    acks: list[tuple[list[int], int, int]] = []  # (seqs, step, chunks announced then)
-    real_ack = hook._acker.ack
-
-    def checked_ack(seqs, *, pass_, step):
-        # Acked only once the Trainer's checkpoint of this very step is on disk.
-        state = json.loads((out / "0" / "training_state.json").read_text())
-        ours = json.loads((out / "0" / AckOnCheckpoint.STATE).read_text())
-        assert state["global_step"] == ours["global_step"] == step == trainer.global_step
-        assert (out / "0" / "model.safetensors").exists() and pass_ == 1
-        acks.append((list(seqs), step, len(journal.read_state(run / "stream").chunks)))
-        real_ack(seqs, pass_=pass_, step=step)
-
-    hook._acker.ack = checked_ack
+    r = start_rank(run, out, tmp_path / "log", batch_tokens=2 * TOKENS, num_workers=1,
+                   prefetch_factor=1, checkpoint_chunks=ss.checkpoint_chunks)  # fmt: skip
+    trainer = r.trainer
     producer.start()
     try:
         trainer.run_training()
@@ -197,9 +119,11 @@ def test_speculators_own_trainer_trains_from_a_run_in_progress_under_a_budget(
     assert producer.error is None, producer.error
     # 10 chunks x 4 records of 300 tokens, 2 records a 600-token batch: every record once.
     assert trainer.global_step == N_CHUNKS * RECORDS // 2
+    assert Counter(k for _, b in r.batches for k in b) == all_keys()
     after = list(trainer.model.parameters())
     assert all(torch.isfinite(p).all() for p in after)
-    assert any(not torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    assert any(not torch.equal(a, b) for a, b in zip(after, r.before, strict=True))
+    acks = r.acks
     assert sorted(s for seqs, _, _ in acks for s in seqs) == list(range(N_CHUNKS))
     assert len(acks) >= N_CHUNKS // 2  # checkpoints within the pass, not only at its end
     assert acks[0][2] < N_CHUNKS and producer.waited  # a run in progress, held by the budget
@@ -213,10 +137,10 @@ def test_speculators_own_trainer_resumes_mid_pass_without_the_chunks_it_acked(
 ):
     """speculators' Trainer dies mid-pass; a new one resumes from its last checkpoint
     (``resume_from_checkpoint``) with the acked chunks deleted, and trains on exactly the
-    records that checkpoint did not cover.  CPU-only substitution: _speculators_on_cpu."""
+    records that checkpoint did not cover.  CPU-only substitution: speculators_on_cpu."""
     from hsextract.stream.speculators import AckOnCheckpoint, speculators_loader
 
-    _speculators_on_cpu(monkeypatch)
+    speculators_on_cpu(monkeypatch.setattr)
     run, out, n_chunks, tokens = tmp_path / "run", tmp_path / "ckpt", 6, 30
     for i in range(n_chunks):
         announce(run, write_chunk(run, i, RECORDS, tokens=tokens, prenorm=True), n_chunks)
@@ -475,7 +399,7 @@ def test_speculators_trainer_settings_that_cannot_ack_are_refused_in_one_sentenc
 
     from hsextract.stream.speculators import AckOnCheckpoint, speculators_loader
 
-    _speculators_on_cpu(monkeypatch)
+    speculators_on_cpu(monkeypatch.setattr)
     announce(tmp_path, write_chunk(tmp_path, 0, 2, tokens=4, prenorm=True), 1)
     dl = speculators_loader(tmp_path, 8, H, num_target_layers=K, timeout_s=60)
     cases = {
