@@ -317,8 +317,8 @@ def test_speculators_trainer_killed_while_checkpointing_resumes_from_a_whole_che
     """speculators writes each checkpoint of an epoch over the last, in place: a kill
     during the third save (or after it, before its ack) must leave a checkpoint to resume
     from that matches the chunks acked (and deleted) so far, whose weights are those of
-    its step, and whose chunks are acked once resumed.  CPU-only: _speculators_on_cpu."""
-    _speculators_on_cpu(monkeypatch)
+    its step, and whose chunks are acked once resumed.  CPU-only: speculators_on_cpu."""
+    speculators_on_cpu(monkeypatch.setattr)
     r = _Resumes(tmp_path)
     first, hook = r.trainer(resume=False)
     _kill_in(what, first, hook, at=3)
@@ -333,8 +333,8 @@ def test_speculators_trainer_killed_before_the_ack_of_its_epoch_end_acks_it_on_r
 ):
     """Killed after the end-of-epoch checkpoint, before its ack: speculators resumes at
     the next epoch, which reads another pass; the chunks that checkpoint covered are acked
-    on resume, not left unacked for good.  CPU-only: _speculators_on_cpu."""
-    _speculators_on_cpu(monkeypatch)
+    on resume, not left unacked for good.  CPU-only: speculators_on_cpu."""
+    speculators_on_cpu(monkeypatch.setattr)
     r = _Resumes(tmp_path, checkpoint_chunks=4)  # the epoch's end covers the last 2 chunks
     first, hook = r.trainer(resume=False)
     _kill_in("ack", first, hook, at=2)
@@ -351,13 +351,13 @@ def test_speculators_trainer_killed_while_swapping_a_checkpoint_in_is_refused_wi
     Trainer (built before attach) resumed without it, so attach refuses in one sentence
     saying the mv that restores it; done, the resume is exact.  A training_state.json that
     no longer records the step the checkpoint covers is refused too, with what to write.
-    CPU-only: _speculators_on_cpu."""
+    CPU-only: speculators_on_cpu."""
     import os
     import re
 
     from hsextract.stream.speculators import AckOnCheckpoint
 
-    _speculators_on_cpu(monkeypatch)
+    speculators_on_cpu(monkeypatch.setattr)
     r = _Resumes(tmp_path)
     first, _ = r.trainer(resume=False)
     rename, renames = os.rename, Counter()
