@@ -439,16 +439,16 @@ class AckOnCheckpoint:
                 "hsextract.stream.speculators.StreamPackingSampler; build its train loader "
                 "with speculators_loader so the chunks it covers are known"
             )
-        cfg = trainer.config
-        if cfg.save_best:
+        tc = trainer.config  # speculators' TrainerConfig (cfg names ours)
+        if tc.save_best:
             raise StreamError(
                 "speculators' Trainer with save_best checkpoints only when validation "
                 "improves, so chunks it trained on could stay unacked past stream.budget_gb; "
                 "train from the stream with save_best off"
             )
-        if cfg.checkpoint_freq > 1:
+        if tc.checkpoint_freq > 1:
             raise StreamError(
-                f"speculators' Trainer with checkpoint_freq {cfg.checkpoint_freq:g} saves no "
+                f"speculators' Trainer with checkpoint_freq {tc.checkpoint_freq:g} saves no "
                 "checkpoint in most epochs, so their chunks could never be acked; use "
                 "checkpoint_freq <= 1 (AckOnCheckpoint adds one every checkpoint_chunks chunks)"
             )
@@ -461,7 +461,7 @@ class AckOnCheckpoint:
         # The epochs whose directories this run's saves replace (mid-epoch, _resume checks
         # the one resumed from).
         start = int(trainer.current_epoch) + (1 if resume_at > 0 else 0)
-        self._recover(Path(ck.path), start, int(cfg.num_epochs))
+        self._recover(Path(ck.path), start, int(tc.num_epochs))
         if trainer.resume_from_checkpoint and ck.previous_epoch != -1:
             self._resume(Path(ck.path), int(ck.previous_epoch), resume_at)
         self._orig_save = trainer.maybe_save_checkpoint
