@@ -306,6 +306,18 @@ def server_log_figures(log: Path, since: float = 0.0) -> dict:
     }
 
 
+def own_work_dir(work: Path, marker: str, bench: str) -> None:
+    """Use ``work`` only if it is new, empty or made by ``bench`` (its ``marker`` file):
+    anything else is someone's, and the benches remove their runs in it."""
+    if work.exists() and any(work.iterdir()) and not (work / marker).exists():
+        raise SystemExit(
+            f"{work} exists, is not empty and was not made by {bench} (no {marker}); the "
+            "bench removes its runs there: pass another --work"
+        )
+    work.mkdir(parents=True, exist_ok=True)
+    (work / marker).touch()
+
+
 def disk_bytes(paths: list[Path]) -> int:
     return sum(p.stat().st_blocks * 512 for p in paths)
 

@@ -127,18 +127,6 @@ def sglang_version(engine: str) -> str:
     return installed_version(sys.executable)  # the workflow's own detection
 
 
-def own_work_dir(work: Path) -> None:
-    """Use ``work`` only if it is new, empty or made by this bench (its marker): each cell's
-    directory in it is removed before the cell runs."""
-    if work.exists() and any(work.iterdir()) and not (work / MARKER).exists():
-        raise SystemExit(
-            f"{work} exists, is not empty and was not made by bench/rate_table.py (no "
-            f"{MARKER}); the bench removes its cells there: pass another --work"
-        )
-    work.mkdir(parents=True, exist_ok=True)
-    (work / MARKER).touch()
-
-
 def cell_records(cell: Cell, cwork: Path, seed: int) -> tuple[Path, list[int], int]:
     """The cell's model dir and seeded records (race's lengths and ids)."""
     data = cwork / "data.jsonl"
@@ -423,7 +411,7 @@ def main() -> None:
     # h200/run.sh's `timeout` sends SIGTERM: the rows so far are already written.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Path(args.work).resolve()
-    own_work_dir(work)
+    race.own_work_dir(work, MARKER, "bench/rate_table.py")
     table = Path(args.csv).resolve() if args.csv else work / "rate_table.csv"
     out_dir = Path(args.out or work / "out").resolve()
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -112,15 +112,8 @@ WAITED_RE = re.compile(r"stream budget:.*\(waited ([\d.]+) s\)")
 
 
 def own_work_dir(work: Path) -> None:
-    """Use ``work`` only if it is new, empty or made by this bench (its marker); anything
-    else is someone's, and the bench removes run dirs in it."""
-    if work.exists() and any(work.iterdir()) and not (work / MARKER).exists():
-        raise SystemExit(
-            f"{work} exists, is not empty and was not made by bench/stream_budget.py (no "
-            f"{MARKER}); the bench removes its runs there: pass another --work"
-        )
-    work.mkdir(parents=True, exist_ok=True)
-    (work / MARKER).touch()
+    """``race.own_work_dir``, then an earlier call's runs removed."""
+    race.own_work_dir(work, MARKER, "bench/stream_budget.py")
     for old in work.glob("results-sb-*"):  # an earlier call's runs: their chunks look done
         shutil.rmtree(old)
     shutil.rmtree(work / "logs", ignore_errors=True)

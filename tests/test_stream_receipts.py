@@ -97,13 +97,8 @@ def test_a_redo_after_a_nack_is_a_new_revision_even_with_the_same_bytes(tmp_path
 
 
 def test_a_payload_lost_before_its_ack_keeps_its_room_and_its_redo_passes_the_gate(tmp_path):
-    sides = [one_chunk(tmp_path, i) for i in range(2)]
-    for s in sides:
-        journal.announce(tmp_path, n_chunks=3, **s)
+    sides, ss = two_announced(tmp_path)  # a budget holding exactly them: a third waits
     size = (tmp_path / sides[0]["path"]).stat().st_size
-    # A budget holding exactly the two announced chunks: a third waits.
-    ss = gate.StreamSettings(budget_gb=(2 * size + 10) / 1e9, trainer_ranks=1, prefetch_chunks=1,
-                             checkpoint_chunks=1, low_mark=0.9, poll_s=0.05)  # fmt: skip
     (tmp_path / sides[0]["path"]).unlink()  # lost before its ack
     st = journal.read_state(tmp_path / "stream")
     assert gate.unacked_bytes(tmp_path, st, 1) == 2 * size  # its room stays held
