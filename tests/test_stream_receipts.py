@@ -591,3 +591,49 @@ def test_regenerate_pass_2_re_extracts_the_deleted_chunks_and_the_report_counts_
         assert sha256_file(rd / "hidden" / "pass2" / "chunk_00001.safetensors") == side["sha256"]
     finally:
         kill_processes_under(wd)
+
+
+def test_the_plan_hashes_nacked_payloads_outside_the_lock_and_deletes_only_unchanged_ones(
+    tmp_path, monkeypatch
+):
+    """``redo_nacked`` (every plan calls it) hashes each nacked payload with the stream's
+    lock free -- acks and every gate take it, and a payload is GBs; on 8e234c9 it hashed
+    under it -- and deletes one only if it did not change while hashed (the next plan
+    looks again at the other)."""
+    import fcntl
+
+    from hsextract.stream import receipts
+
+    sides = [one_chunk(tmp_path, i) for i in range(2)]
+    for s in sides:
+        journal.announce(tmp_path, n_chunks=2, **s)
+    paths = [tmp_path / s["path"] for s in sides]
+    for i, p in enumerate(paths):
+        p.write_bytes(b"\xff" * p.stat().st_size)  # the bytes the trainer's check refused
+        journal.AckWriter(tmp_path).nack(i, sides[i]["sha256"], sha256_file(p))
+    real = receipts.sha256_file
+    lock_free: list[bool] = []
+
+    def hash_and_probe(path):
+        with open(tmp_path / "stream" / journal.LOCK, "a") as f:  # another open: flock's
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+                lock_free.append(True)
+            except BlockingIOError:
+                lock_free.append(False)
+        digest = real(path)
+        if Path(path) == paths[1]:  # written to while hashed
+            st = paths[1].stat()
+            os.utime(paths[1], ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        return digest
+
+    monkeypatch.setattr(receipts, "sha256_file", hash_and_probe)
+    assert receipts.redo_nacked(tmp_path) == [sides[0]["path"]]
+    assert lock_free == [True, True]
+    assert not paths[0].exists() and paths[1].exists()
+    monkeypatch.setattr(receipts, "sha256_file", real)
+    assert receipts.redo_nacked(tmp_path) == [sides[1]["path"]]  # unchanged this time
+    assert receipts.redo_nacked(tmp_path) == []  # each deletion once, logged once
+    deleted = journal.read_lines(tmp_path / "stream" / gate.DELETED)
+    assert [(d["seq"], d["why"]) for d in deleted] == [(0, "nack"), (1, "nack")]

@@ -29,6 +29,7 @@ from hsextract.stream.journal import (
     StreamError,
     StreamState,
     append_line,
+    file_identity,
     locked,
     read_lines,
     read_state,
@@ -256,16 +257,6 @@ UNPROVEN = (
 GC_LEFT = "gc_left.jsonl"
 
 
-def _identity(p: Path) -> tuple[int, int, int] | None:
-    """(inode, size, mtime_ns): what says a file is unwritten since it was last looked at.
-    No st_dev: NFS numbers a mount per client, so another node sees another device."""
-    try:
-        s = p.stat()
-    except FileNotFoundError:
-        return None
-    return (s.st_ino, s.st_size, s.st_mtime_ns)
-
-
 def _announced(line: dict[str, Any]) -> tuple[int, int, int] | None:
     """The payload's identity recorded when it was announced (None: a line of an older
     hsextract, which recorded none)."""
@@ -293,7 +284,7 @@ def _not_ours(run_dir: Path, line: dict[str, Any], sha256: str | None = None) ->
         return "a symlink, not the file we wrote"
     if run_dir.resolve() not in p.resolve().parents:
         return "outside the run dir"
-    ident = _identity(p)
+    ident = file_identity(p)
     if ident is None:
         return "gone"
     if ident[1] != line["bytes"]:
@@ -375,7 +366,7 @@ def gc(run_dir: Path, ss: StreamSettings) -> dict[str, Any]:
     left: list[tuple[str, str]] = []
     with locked(sdir):
         picked = [
-            (seq, c, why, _identity(run_dir / c["path"]))
+            (seq, c, why, file_identity(run_dir / c["path"]))
             for seq, c, why in _freeable(run_dir, read_state(sdir), ss.final_pass)
         ]
     hashed: dict[int, str] = {}
@@ -395,7 +386,7 @@ def gc(run_dir: Path, ss: StreamSettings) -> dict[str, Any]:
             )
             if not same or not st.is_acked(seq, ss.final_pass) or seq in st.deleted:
                 continue  # redone, or freed by a gate meanwhile: not what was picked
-            if _identity(run_dir / c["path"]) != ident:
+            if file_identity(run_dir / c["path"]) != ident:
                 continue  # written to while hashed: the next gc looks again
             verdict = _not_ours(run_dir, c, hashed.get(seq))
             if verdict is None:
@@ -423,7 +414,8 @@ def acked_on_disk(run_dir: Path, st: StreamState, final_pass: int) -> list[dict[
     return [
         c
         for s, c, why in _freeable(run_dir, st, final_pass)
-        if why is None or (why == UNPROVEN and (s, _identity(run_dir / c["path"])) not in gc_left)
+        if why is None
+        or (why == UNPROVEN and (s, file_identity(run_dir / c["path"])) not in gc_left)
     ]
 
 

@@ -131,6 +131,17 @@ class LineFollower:
         return out
 
 
+def file_identity(p: Path) -> tuple[int, int, int] | None:
+    """(inode, size, mtime_ns): what says a file is unwritten since it was last looked at,
+    without reading it (None: gone).  No st_dev: NFS numbers a mount per client, so another
+    node would see another device."""
+    try:
+        s = p.stat()
+    except FileNotFoundError:
+        return None
+    return (s.st_ino, s.st_size, s.st_mtime_ns)
+
+
 def read_lines(path: Path) -> list[dict[str, Any]]:
     """Every complete, parseable line of a JSON-lines file (none if it does not exist).
 

@@ -32,6 +32,7 @@ from hsextract.stream.journal import (
     ACKS,
     StreamState,
     append_line,
+    file_identity,
     locked,
     read_lines,
     read_state,
@@ -112,6 +113,13 @@ def _ours(run_dir: Path, rel: str) -> Path | None:
     return p
 
 
+def _taken_up(st: StreamState, nack: dict[str, Any]) -> bool:
+    """A plan already deleted this revision for its redo (logged last, after both unlinks,
+    so a plan killed between them does it again)."""
+    d = st.deleted.get(nack["seq"]) or {}
+    return d.get("why") == "nack" and int(d.get("rev", -1)) == nack["rev"]
+
+
 def redo_nacked(run_dir: str | Path) -> list[str]:
     """Delete the payload and sidecar of each chunk the trainer nacked, so the plan redoes it.
 
@@ -125,29 +133,45 @@ def redo_nacked(run_dir: str | Path) -> list[str]:
     sdir = stream_dir(run_dir)
     if not (sdir / ACKS).exists():
         return []
+    # Hashed outside the stream's lock (acks and every gate take it; a payload is GBs), as
+    # ``hsextract stream gc`` does: picked under it, then deleted under it again only if
+    # the nack is still open and the file unchanged since it was hashed.
+    with locked(sdir):
+        st = read_state(sdir)
+        picked = []
+        for path, n in sorted(open_nacks(run_dir, st).items()):
+            if _taken_up(st, n):
+                continue
+            p = _ours(run_dir, path)
+            if p is None:
+                log.warning("%s: nacked, but %s is not our file: left alone", n["chunk"], path)
+                continue
+            picked.append((path, n, p, file_identity(p)))
+    seen: dict[str, str | None] = {}
+    for path, _, p, ident in picked:
+        try:
+            seen[path] = None if ident is None else sha256_file(p)
+        except FileNotFoundError:
+            seen[path] = None
     done = []
     with locked(sdir):
         st = read_state(sdir)
-        for path, n in sorted(open_nacks(run_dir, st).items()):
-            chunk = n["chunk"]
-            p = _ours(run_dir, path)
-            if p is None:
-                log.warning("%s: nacked, but %s is not our file: left alone", chunk, path)
-                continue
-            try:
-                if sha256_file(p) == n["sha256_expected"]:
-                    continue
-            except FileNotFoundError:
-                pass
+        still = open_nacks(run_dir, st)
+        for path, n, p, ident in picked:
+            if still.get(path) != n or _taken_up(st, n) or file_identity(p) != ident:
+                continue  # answered, or written to while hashed: the next plan looks again
+            if seen[path] == n["sha256_expected"]:
+                continue  # restored since: the trainer's next read accepts it
             side = p.with_suffix(".json")
-            size = p.stat().st_size if p.exists() else 0
+            size = ident[1] if ident is not None else 0
             p.unlink(missing_ok=True)
             if not side.is_symlink():
                 side.unlink(missing_ok=True)
             append_line(
                 sdir / DELETED,
-                {"seq": n["seq"], "rev": n["rev"], "chunk": chunk, "path": path, "why": "nack",
-                 "bytes": size, "sha256": n["sha256_expected"], "at": round(time.time(), 3)},
+                {"seq": n["seq"], "rev": n["rev"], "chunk": n["chunk"], "path": path,
+                 "why": "nack", "bytes": size, "sha256": n["sha256_expected"],
+                 "at": round(time.time(), 3)},
             )  # fmt: skip
             done.append(path)
     return done
