@@ -44,14 +44,9 @@ largest chunk at <= 1.25 % of the run's tokens: the bench predicts the workflow'
 (``hash(id) % n_chunks``, hsextract.records.id_hash) and takes the least ``n_chunks`` whose
 largest chunk passes the gate's own check (hsextract.stream.gate.check_window).
 
-Acks wait for Snakemake: a consumer this fast reads and acks a chunk ~1 s after it is
-announced, and the next chunk job's gate then deletes the payload -- possibly before
-Snakemake has checked the finished job's outputs (the payload is one of extract_chunk's
-outputs until the stream's receipts land, DESIGN.md "Left"), which would fail the job.  So
-the consumer acks a chunk once it has read all of it *and* Snakemake's log says the
-chunk's job finished (or ``--ack-fallback-s`` after it was read, counted).  Likewise the
-budget run's ``manifest`` refuses the deleted payloads today (same "Left" item): its
-extract_all exits 1 after every chunk; the bench says so and measures from the sidecars.
+Acks as soon as read: under a budget a chunk job's output is its sidecar (the stream's
+receipts, stream/receipts.py), so the payload a gate deletes is no output Snakemake still
+checks, and the budget run's manifest lists deleted, acked chunks from their receipts.
 
 Figures: the sending phase's tokens/s of each run (race.py's definition, from the chunks'
 sidecars: the first request sent to the last response), their ratio (goal >= 0.95); disk
@@ -102,9 +97,6 @@ MARKER = ".stream_budget_bench"  # the work dir is ours: only then is anything r
 #: --quick: the demo's tiny DeepSeek-V3 (config.yaml's demo section), float32, CPU.
 QUICK_DEMO = {"seed": 0, "num_hidden_layers": 8, "hidden_size": 64, "vocab_size": 512}
 QUICK_MAX_LEN = 96
-#: Snakemake's own log: a job's chunk and its end (postprocessing, the output check, done).
-JOB_RE = re.compile(r"jobid: (\d+)\n(?:.*\n){0,4}?\s*wildcards: chunk=(\d+)")
-FINISHED_RE = re.compile(r"Finished jobid: (\d+) \(Rule: extract_chunk\)")
 WAITED_RE = re.compile(r"stream budget:.*\(waited ([\d.]+) s\)")
 
 
@@ -328,8 +320,8 @@ class DiskSampler:
 
 
 def consume(args: argparse.Namespace) -> None:
-    """Inside the consumer process: every record of the run through StreamDataset, acked
-    chunk by chunk as soon as read (and Snakemake saw its job finish: module docstring).
+    """Inside the consumer process: every record of the run through StreamDataset, each
+    chunk acked as soon as all its records are read.
 
     A plain torch DataLoader, not torchdata's StatefulDataLoader: this consumer acks
     what it has read, not what a checkpoint covers (``consumed_seqs`` is for that), so it
@@ -344,67 +336,18 @@ def consume(args: argparse.Namespace) -> None:
     run_dir = Path(args.run_dir)
     sdir = run_dir / "stream"
     ds = StreamDataset(run_dir, rank=0, world=1, seed=0, layout="raw", poll_s=0.05)
-    # Workers split a chunk's records (decoding in parallel) and each checks its sha256;
+    # Workers split a chunk's records (decoding in parallel; one sha256 per chunk, shared);
     # torch's default prefetch (2 samples a worker): an 8k-token record is ~270 MB raw.
     dl = DataLoader(ds, batch_size=None, num_workers=args.workers)
     acker = AckWriter(run_dir)
-    lock = threading.Lock()
     read_at: dict[int, float] = {}  # seq -> when its last record came in
     acked_at: dict[int, float] = {}
-    fallback: list[int] = []
-    done = threading.Event()
-    smk_log = Path(args.snakemake_log)
-
-    def finished_chunks() -> set[str]:
-        try:
-            text = smk_log.read_text(errors="replace")
-        except FileNotFoundError:
-            return set()
-        jobs = dict(JOB_RE.findall(text))
-        return {f"chunk_{jobs[j]}" for j in FINISHED_RE.findall(text) if j in jobs}
-
-    def acks() -> None:
-        """Ack what is read once Snakemake has checked the chunk job's outputs."""
-        while True:
-            last = done.is_set()
-            with lock:
-                ready = {s: t for s, t in read_at.items() if s not in acked_at}
-            if ready:
-                names = {
-                    int(c["seq"]): c["chunk"]
-                    for c in jsonl(sdir / "journal.jsonl")
-                    if c.get("type") == "chunk"
-                }
-                fin = finished_chunks()
-                now = time.time()
-                go = [
-                    s
-                    for s, t in ready.items()
-                    if names.get(s) in fin or now - t > args.ack_fallback_s
-                ]
-                if go:
-                    acker.ack(go, step=len(acked_at))
-                    with lock:
-                        for s in go:
-                            acked_at[s] = time.time()
-                            if names.get(s) not in fin:
-                                fallback.append(s)
-            if last and not ready:
-                return
-            time.sleep(0.05)
-            if last and time.time() > done_at + args.ack_fallback_s + 5:
-                return
-
-    done_at = 0.0
-    samples = iter(dl)  # forks the loader workers: before this process has a second thread
-    acker_thread = threading.Thread(target=acks, daemon=True)
-    acker_thread.start()
     ids: list[str] = []
     counts: Counter = Counter()
     records_of: dict[int, int] = {}
     tokens = raw_bytes = 0
     first = last_t = None
-    for sample in samples:
+    for sample in dl:
         now = time.time()
         first = first or now
         last_t = now
@@ -420,11 +363,9 @@ def consume(args: argparse.Namespace) -> None:
                 if c.get("type") == "chunk":
                     records_of[int(c["seq"])] = int(c["records"])
         if counts[seq] == records_of[seq]:
-            with lock:
-                read_at[seq] = now
-    done_at = time.time()
-    done.set()
-    acker_thread.join()
+            read_at[seq] = now
+            acker.ack([seq], step=len(acked_at))
+            acked_at[seq] = time.time()
     span = (last_t - first) if first and last_t and last_t > first else None
     Path(args.out).write_text(
         json.dumps(
@@ -441,13 +382,12 @@ def consume(args: argparse.Namespace) -> None:
                 "raw_gb_per_s": round(raw_bytes / span / GB, 3) if span else None,
                 "read_at": read_at,
                 "acked_at": acked_at,
-                "acked_on_fallback": sorted(fallback),
             }
         )
     )
 
 
-def start_consumer(run_dir: Path, work: Path, workers: int, smk_log: Path, fallback_s: float):
+def start_consumer(run_dir: Path, work: Path, workers: int):
     out = work / "consumer.json"
     out.unlink(missing_ok=True)
     cmd = [
@@ -458,12 +398,8 @@ def start_consumer(run_dir: Path, work: Path, workers: int, smk_log: Path, fallb
         str(run_dir),
         "--workers",
         str(workers),
-        "--snakemake-log",
-        str(smk_log),
         "--out",
         str(out),
-        "--ack-fallback-s",
-        str(fallback_s),
     ]
     log = open(work / "logs" / "consumer.log", "w")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -514,10 +450,9 @@ def run_workflow(
 
     rd = run_dir(read_config(cfg_path))
     smk_log = work / "logs" / f"snakemake-{tag}.log"
-    smk_log.unlink(missing_ok=True)  # the consumer reads it: never an earlier run's
     cons = None
     if consumer is not None:
-        cons = start_consumer(rd, work, consumer["workers"], smk_log, consumer["fallback_s"])
+        cons = start_consumer(rd, work, consumer["workers"])
     out: dict = {"run_dir": str(rd), "config": str(cfg_path)}
     t_start = time.time()
     with DiskSampler(tag, rd, period) as disk, race.Sampler() as smp:
@@ -556,9 +491,7 @@ def run_workflow(
             # It ends at the pass's end; a run that never announced it never ends it.
             ended = any(x.get("type") == "end_pass" for x in jsonl(rd / "stream" / "journal.jsonl"))
             try:
-                out["consumer_rc"] = proc_c.wait(
-                    timeout=consumer["fallback_s"] + 60 if ended else 5
-                )
+                out["consumer_rc"] = proc_c.wait(timeout=60 if ended else 5)
             except subprocess.TimeoutExpired:
                 stop_group(proc_c, 5)
                 out["consumer_rc"] = "stopped: it had not read the whole pass"
@@ -635,7 +568,6 @@ def check_consumer(r: dict, run_dir: Path) -> dict:
         "unexpected": sum(1 for k in got if k not in want),
         "chunks_announced": len(journal),
         "chunks_acked": sum(1 for s in journal if str(s) in c["acked_at"]),
-        "acked_on_fallback": len(c["acked_on_fallback"]),
         "announce_to_read_s": {
             "median": round(statistics.median(read_lag), 2),
             "max": round(max(read_lag), 2),
@@ -753,14 +685,6 @@ def main() -> None:
     )
     ap.add_argument("--jobs", type=int, default=None, help="snakemake -j (12; quick 2)")
     ap.add_argument("--consumer-workers", type=int, default=3, help="its DataLoader workers")
-    ap.add_argument(
-        "--ack-fallback-s",
-        type=float,
-        default=0.0,
-        help="ack a read chunk after this long even if Snakemake's log has not said its "
-        "job finished (0: as soon as it is read; the receipts made the chunk file no output "
-        "Snakemake checks, so nothing needs the wait)",
-    )
     ap.add_argument("--period", type=float, default=0.5, help="disk sampling period (s)")
     ap.add_argument(
         "--no-warmup",
@@ -919,9 +843,7 @@ def main() -> None:
                 reclaim=tag == "none" and not args.quick,
                 env=env,
                 period=args.period,
-                consumer={"workers": args.consumer_workers, "fallback_s": args.ack_fallback_s}
-                if tag == "budget"
-                else None,
+                consumer={"workers": args.consumer_workers} if tag == "budget" else None,
             )
             runs[tag] = r
             if tag == "budget":
@@ -1024,7 +946,7 @@ def summarize(results: dict, out_dir: Path, elapsed: float) -> None:
             f"every one once: {cc.get('every_record_once')}; {cc.get('records_per_s')} "
             f"records/s, {cc.get('raw_gb_per_s')} GB/s of raw states, {cc.get('workers')} "
             f"workers; announce -> read {cc.get('announce_to_read_s')}, -> ack "
-            f"{cc.get('announce_to_ack_s')} s; acked on fallback {cc.get('acked_on_fallback')}"
+            f"{cc.get('announce_to_ack_s')} s"
         )
         print(
             f"kept up: gate shut {b.get('gate_shut_s')} s of the sending phase, "
@@ -1047,10 +969,9 @@ def summarize(results: dict, out_dir: Path, elapsed: float) -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_consume":
         p = argparse.ArgumentParser()
-        for k in ("--run-dir", "--snakemake-log", "--out"):
+        for k in ("--run-dir", "--out"):
             p.add_argument(k, required=True)
         p.add_argument("--workers", type=int, default=3)
-        p.add_argument("--ack-fallback-s", type=float, default=10.0)
         consume(p.parse_args(sys.argv[2:]))
     else:
         main()
