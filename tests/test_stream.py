@@ -649,16 +649,25 @@ def test_the_reader_follows_a_run_in_progress(tmp_path):
 
 
 def test_resuming_from_a_state_dict_yields_exactly_the_rest(tmp_path):
-    make_run(tmp_path, [5, 1, 7, 3, 2, 6])
-    whole = ids_of(loader(StreamDataset(tmp_path, rank=1, world=2, seed=1, timeout_s=60)))
-    for cut in (1, 4, 7, 12):
-        dl = loader(StreamDataset(tmp_path, rank=1, world=2, seed=1, timeout_s=60))
-        it = iter(dl)
-        first = [next(it) for _ in range(cut)]
-        state = dl.state_dict()
-        del it, dl
-        rest = loader(StreamDataset(tmp_path, rank=1, world=2, seed=1, timeout_s=60), state=state)
-        assert ids_of(first) + ids_of(rest) == whole, cut
+    """Cut anywhere, the padding sample included (29 records: rank 1 of 2 and rank 2 of 3
+    end with one), a resumed loader yields exactly what the uninterrupted one did."""
+    make_run(tmp_path, [5, 1, 7, 3, 2, 6, 5])
+
+    def ids(samples) -> list[str]:
+        return [s["id"] for s in samples]  # "<pad>" for the padding
+
+    for rank, world in ((1, 2), (2, 3)):
+        whole = ids(loader(StreamDataset(tmp_path, rank=rank, world=world, seed=1, timeout_s=60)))
+        assert whole[-1] == "<pad>" and whole.count("<pad>") == 1
+        for cut in (1, 4, 7, len(whole) - 1):
+            dl = loader(StreamDataset(tmp_path, rank=rank, world=world, seed=1, timeout_s=60))
+            it = iter(dl)
+            first = [next(it) for _ in range(cut)]
+            state = dl.state_dict()
+            del it, dl
+            rest = loader(StreamDataset(tmp_path, rank=rank, world=world, seed=1, timeout_s=60),
+                          state=state)  # fmt: skip
+            assert ids(first) + ids(rest) == whole, (rank, world, cut)
 
 
 def test_consumed_seqs_are_the_chunks_every_worker_of_every_rank_finished(tmp_path):
