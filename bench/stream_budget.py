@@ -36,10 +36,11 @@ onsuccess/onerror stop it, and the two runs need two run dirs (one would find th
 chunks done); so each pays its own start, outside the measured phase.
 
 The chunk count: the gate refuses a budget below ``max(window, (window - 1) / low_mark)``
-x the largest chunk's raw estimate, window = ranks x prefetch_chunks + checkpoint_chunks +
-1 = 1 x 2 + 1 + 1 = 4 for this consumer (1 rank; its loader workers are served round
-robin, so one may wait on the next chunk while another ends this one: 2 chunks open; it
-acks at once: checkpoint_chunks 1, the least the setting takes).  At 5 % that needs the
+x the largest chunk's raw estimate, window = prefetch_chunks + checkpoint_chunks + 1 =
+2 + 1 + 1 = 4 for this consumer (its loader workers take the records one at a time in
+turn, but it acks a chunk only once Snakemake saw its job finish, below, so it reads the
+next chunk meanwhile: 2 chunks open; it acks at once otherwise: checkpoint_chunks 1, the
+least the setting takes).  At 5 % that needs the
 largest chunk at <= 1.25 % of the run's tokens: the bench predicts the workflow's split
 (``hash(id) % n_chunks``, hsextract.records.id_hash) and takes the least ``n_chunks`` whose
 largest chunk passes the gate's own check (hsextract.stream.gate.check_window).
@@ -83,9 +84,8 @@ sys.path.insert(0, str(BENCH))
 import race  # noqa: E402 - bench/race.py; it puts the repo's src/ on sys.path
 
 GB = 1e9
-#: The budget run's trainer settings (stream.*): one rank, acks at once (module docstring).
+#: The budget run's trainer settings (stream.*): acks at once (module docstring).
 STREAM = {
-    "trainer_ranks": 1,
     "prefetch_chunks": 2,
     "checkpoint_chunks": 1,
     "low_mark": 0.75,

@@ -4,7 +4,8 @@ Two DDP ranks over gloo, each with a ``StatefulDataLoader`` of two workers over
 ``hsextract.stream.StreamDataset`` (SpecForge's layout), training a small drafter head
 (aux states -> the final state).  Every ``--ckpt-every`` steps the ranks gather their
 loader states and the record ids trained since the last checkpoint; rank 0 commits the
-checkpoint (temp name, fsync, rename) and only then acks the chunks it covers.  So a
+checkpoint (temp name, fsync, rename) and only then acks the chunks it covers (those every
+rank's workers have passed: the ranks read each chunk together).  So a
 trainer SIGKILLed anywhere resumes (``--resume``) with exactly the records the last
 checkpoint did not cover, and the final checkpoint's ``trained`` list says which records
 the model was trained on, once each.
@@ -67,10 +68,8 @@ def rank_main(rank: int, args: argparse.Namespace) -> None:
         if rank == 0:
             commit(ckpt_path, {"model": model.state_dict(), "opt": opt.state_dict(),
                                "loader": states, "step": step, "trained": trained})  # fmt: skip
-            seqs = set()
-            for r, s in enumerate(states):
-                seqs.update(consumed_seqs(args.run_dir, s, rank=r, world=args.world))
-            acker.ack(seqs, step=step)  # only after the checkpoint is durable
+            # Every rank reads each chunk: one is covered once all ranks' workers passed it.
+            acker.ack(consumed_seqs(args.run_dir, states), step=step)  # once it is durable
         dist.barrier()
 
     model = None

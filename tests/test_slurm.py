@@ -427,8 +427,7 @@ def test_train_while_extracting_with_the_trainer_on_another_node(slurm_cluster, 
     run_snakemake(workdir, "-j1", str((rd / "chunks" / "index.json").relative_to(workdir)))
     tokens = [c["tokens"] for c in json.loads((rd / "chunks" / "index.json").read_text())["chunks"]]
     bpt = bytes_per_token(64, 3, "float32")  # the demo model: H 64, 3 aux layers
-    stream = {"trainer_ranks": 1, "prefetch_chunks": 1, "checkpoint_chunks": 1,
-              "low_mark": 0.85, "poll_s": 0.2}  # fmt: skip
+    stream = {"prefetch_chunks": 1, "checkpoint_chunks": 1, "low_mark": 0.85, "poll_s": 0.2}
     ss = gate.StreamSettings(budget_gb=0, **stream)
     w = ss.window_chunks()
     budget = int(max(w, (w - 1) / ss.low_mark) * max(tokens) * bpt) + 1000  # the least allowed

@@ -23,7 +23,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from hsextract.chunks import ChunkWriter, sha256_file
 from hsextract.stream import gate, journal
-from hsextract.stream.reader import StreamDataset, assign, consumed_seqs
+from hsextract.stream.reader import StreamDataset, consumed_seqs, offsets, share
 
 H, K = 4, 3
 SHAPES = {"hidden": H, "aux": K * H, "prenorm": False, "dtype": "float32"}
@@ -260,21 +260,24 @@ def test_the_gates_settings_are_the_declared_stream_keys_with_their_defaults():
 
 
 def test_a_budget_below_the_trainer_window_is_refused_naming_the_numbers():
-    ss = settings(int(3e9), trainer_ranks=2, prefetch_chunks=1, checkpoint_chunks=2)
+    """The window does not grow with the trainer's ranks (all read the same chunks): on
+    8e234c9 it was ranks x prefetch + checkpoint + 1 (stream.trainer_ranks)."""
+    ss = settings(int(3e9), prefetch_chunks=2, checkpoint_chunks=2)
     with pytest.raises(gate.BudgetRefused) as e:
         gate.check_window(ss, largest_chunk_bytes=int(1e9), run_bytes=int(16e9))
     msg = str(e.value)
     assert msg.startswith("stream.budget_gb 3 (3.0 GB) is smaller than the trainer's window")
-    assert "2 ranks x 1 chunks held" in msg and "2 chunks between checkpoints" in msg
+    assert "(2 chunks held (all ranks and loader workers share them) + 2 chunks between " in msg
     assert "= 5 chunks, or 4 chunks / stream.low_mark 0.75 = 5.33" in msg
     assert "x 1.0 GB (the largest chunk's estimate) = 5.3 GB" in msg
     assert "\n" not in msg
-    ok = settings(int(5.4e9), trainer_ranks=2, prefetch_chunks=1, checkpoint_chunks=2)
+    ok = settings(int(5.4e9), prefetch_chunks=2, checkpoint_chunks=2)
     gate.check_window(ok, largest_chunk_bytes=int(1e9), run_bytes=int(16e9))
     with pytest.raises(gate.BudgetRefused, match="low_mark 0.5 = 8"):
-        gate.check_window(settings(int(5.4e9), trainer_ranks=2, prefetch_chunks=1,
-                                   checkpoint_chunks=2, low_mark=0.5),
+        gate.check_window(settings(int(5.4e9), prefetch_chunks=2, checkpoint_chunks=2,
+                                   low_mark=0.5),
                           largest_chunk_bytes=int(1e9), run_bytes=int(16e9))  # fmt: skip
+    assert not hasattr(ss, "trainer_ranks")  # nothing left to size by it
 
 
 def test_the_window_is_sized_at_the_measured_bytes_per_token_not_the_raw(tmp_path):
@@ -555,29 +558,37 @@ def loader(ds, workers=2, state=None):
 
 
 def test_ranks_and_workers_yield_every_record_once_in_lockstep(tmp_path):
-    sizes = [5, 1, 7, 3, 2, 6, 5]
+    """Every rank reads the same chunk at the same time, each its share of its records:
+    step t of rank r is record t x world + r of the pass (journal order, each chunk
+    shuffled), so the ranks' t-th samples are at most one chunk boundary apart and the
+    padding is at most one sample.  On 8e234c9 each chunk went to one rank (rank 1 read
+    chunks 1, 2 and 5 only), so the window grew with the ranks."""
+    sizes = [5, 1, 7, 3, 2, 6, 5]  # 29 records
     make_run(tmp_path, sizes)
-    per_rank = []
-    for rank in range(2):
-        ds = StreamDataset(tmp_path, rank=rank, world=2, seed=3, timeout_s=60)
-        per_rank.append(list(loader(ds)))
-    everything = ids_of(per_rank[0]) + ids_of(per_rank[1])
     want = [f"r{i}-{j}" for i, n in enumerate(sizes) for j in range(n)]
-    assert Counter(everything) == Counter(want)
-    # Dealt by records: chunks 0,3,4,6 (15 records) to rank 0; 1,2,5 (14) to rank 1,
-    # padded to 15.
-    assert assign([{"records": n} for n in sizes], 2) == [[0, 3, 4, 6], [1, 2, 5]]
-    assert {s["seq"] for s in per_rank[1] if not s["pad"]} == {1, 2, 5}
-    assert len(per_rank[0]) == len(per_rank[1]) == 15
-    pads = [s for s in per_rank[1] if s["pad"]]
-    assert len(pads) == 1 and all(int(p["loss_mask"].sum()) == 0 for p in pads)
-    assert not [s for s in per_rank[0] if s["pad"]]
+    for world, workers in ((2, 2), (3, 2)):
+        per_rank = [list(loader(StreamDataset(tmp_path, rank=r, world=world, seed=3,
+                                              timeout_s=60), workers=workers))
+                    for r in range(world)]  # fmt: skip
+        everything = [i for samples in per_rank for i in ids_of(samples)]
+        assert Counter(everything) == Counter(want), (world, workers)
+        steps = -(-len(want) // world)
+        assert [len(samples) for samples in per_rank] == [steps] * world
+        pads = [s for samples in per_rank for s in samples if s["pad"]]
+        assert len(pads) == steps * world - len(want)
+        assert all(int(p["loss_mask"].sum()) == 0 for p in pads)
+        # Interleaved step by step, the ranks' samples are the pass in journal order.
+        merged = [samples[t] for t in range(steps) for samples in per_rank]
+        seqs = [s["seq"] for s in merged if not s["pad"]]
+        assert seqs == sorted(seqs) and Counter(seqs) == dict(enumerate(sizes)), (world, seqs)
+        assert all(s["pad"] for s in merged[len(want) :])
     # Deterministic: the same split and order again; another seed shuffles otherwise.
-    again = list(loader(StreamDataset(tmp_path, rank=0, world=2, seed=3, timeout_s=60)))
-    assert ids_of(again) == ids_of(per_rank[0])
-    other = list(loader(StreamDataset(tmp_path, rank=0, world=2, seed=4, timeout_s=60)))
-    assert ids_of(other) != ids_of(per_rank[0])
-    assert Counter(ids_of(other)) == Counter(ids_of(per_rank[0]))
+    first = ids_of(loader(StreamDataset(tmp_path, rank=0, world=2, seed=3, timeout_s=60)))
+    again = ids_of(loader(StreamDataset(tmp_path, rank=0, world=2, seed=3, timeout_s=60)))
+    assert again == first
+    other = ids_of(loader(StreamDataset(tmp_path, rank=0, world=2, seed=4, timeout_s=60)))
+    assert other != first  # the same chunk at each step, another of its records:
+    assert [i.split("-")[0] for i in other] == [i.split("-")[0] for i in first]
 
 
 def test_a_loaders_workers_hash_each_chunk_once_between_them(tmp_path, monkeypatch):
@@ -638,27 +649,63 @@ def test_the_reader_follows_a_run_in_progress(tmp_path):
 
 
 def test_resuming_from_a_state_dict_yields_exactly_the_rest(tmp_path):
-    make_run(tmp_path, [5, 1, 7, 3, 2, 6])
-    whole = ids_of(loader(StreamDataset(tmp_path, rank=1, world=2, seed=1, timeout_s=60)))
-    for cut in (1, 4, 7, 12):
-        dl = loader(StreamDataset(tmp_path, rank=1, world=2, seed=1, timeout_s=60))
-        it = iter(dl)
-        first = [next(it) for _ in range(cut)]
-        state = dl.state_dict()
-        del it, dl
-        rest = loader(StreamDataset(tmp_path, rank=1, world=2, seed=1, timeout_s=60), state=state)
-        assert ids_of(first) + ids_of(rest) == whole, cut
+    """Cut anywhere, the padding sample included (29 records: rank 1 of 2 and rank 2 of 3
+    end with one), a resumed loader yields exactly what the uninterrupted one did."""
+    make_run(tmp_path, [5, 1, 7, 3, 2, 6, 5])
+
+    def ids(samples) -> list[str]:
+        return [s["id"] for s in samples]  # "<pad>" for the padding
+
+    for rank, world in ((1, 2), (2, 3)):
+        whole = ids(loader(StreamDataset(tmp_path, rank=rank, world=world, seed=1, timeout_s=60)))
+        assert whole[-1] == "<pad>" and whole.count("<pad>") == 1
+        for cut in (1, 4, 7, len(whole) - 1):
+            dl = loader(StreamDataset(tmp_path, rank=rank, world=world, seed=1, timeout_s=60))
+            it = iter(dl)
+            first = [next(it) for _ in range(cut)]
+            state = dl.state_dict()
+            del it, dl
+            rest = loader(StreamDataset(tmp_path, rank=rank, world=world, seed=1, timeout_s=60),
+                          state=state)  # fmt: skip
+            assert ids(first) + ids(rest) == whole, (rank, world, cut)
 
 
-def test_consumed_seqs_are_the_chunks_every_worker_finished(tmp_path):
-    make_run(tmp_path, [4, 4, 4, 4])
-    dl = loader(StreamDataset(tmp_path, rank=0, world=2, timeout_s=60))
+def test_consumed_seqs_are_the_chunks_every_worker_of_every_rank_finished(tmp_path):
+    """A chunk is consumed (a checkpoint covers it: acked) only once every rank's workers
+    passed it: all ranks read each chunk.  On 8e234c9 each rank's chunks were its own, and
+    a chunk one rank had finished was acked while another could still need it."""
+    make_run(tmp_path, [4, 4, 2, 4])  # record k of the pass: rank k % 2, worker k // 2 % 2
+    dls = [loader(StreamDataset(tmp_path, rank=r, world=2, timeout_s=60)) for r in range(2)]
+    its = [iter(dl) for dl in dls]
+
+    def take(rank: int, n: int) -> list[int]:
+        return [next(its[rank])["seq"] for _ in range(n)]
+
+    def covered() -> list[int]:
+        return consumed_seqs(tmp_path, [dl.state_dict() for dl in dls])
+
+    assert covered() == []
+    assert take(0, 4) == [0, 0, 1, 1]  # rank 0 is past chunk 0; rank 1 has not started
+    assert covered() == []
+    assert take(1, 1) == [0]  # rank 1's worker 1 still has a record of chunk 0
+    assert covered() == []
+    assert take(1, 1) == [0]
+    assert covered() == [0]
+    # Chunk 2's two records are both workers' 0 (records 8, 9): the workers 1, with
+    # nothing to read there, do not hold it once the workers 0 are past it.
+    assert take(0, 1) + take(1, 3) == [2, 1, 1, 2]
+    assert covered() == [0, 1, 2]
+    assert take(0, 1) == [3]
+    assert covered() == [0, 1, 2]
+    for it in its:
+        list(it)
+    assert covered() == [0, 1, 2, 3]
+    # One rank, no workers: the dataset's own state.
+    ds = StreamDataset(tmp_path, timeout_s=60)
+    dl = StatefulDataLoader(ds, batch_size=None, num_workers=0)
     it = iter(dl)
-    taken = [next(it) for _ in range(4)]  # chunk seq 0's four records, two per worker
-    assert {s["seq"] for s in taken} == {0}
-    assert consumed_seqs(tmp_path, dl.state_dict(), rank=0, world=2) == [0]
-    taken += list(it)
-    assert consumed_seqs(tmp_path, dl.state_dict(), rank=0, world=2) == [0, 2]
+    assert [next(it)["seq"] for _ in range(5)] == [0, 0, 0, 0, 1]
+    assert consumed_seqs(tmp_path, [dl.state_dict()]) == [0]
 
 
 def test_a_chunk_whose_bytes_changed_is_nacked_not_trained_on(tmp_path):
@@ -841,23 +888,36 @@ def test_the_server_never_imports_the_stream_and_the_gate_no_torch():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-def test_ranks_are_dealt_records_within_one_chunk_of_each_other():
-    """Dealt by records, not seq % world: with uneven chunks a rank's records never run
-    more than a chunk ahead of another's, on every prefix of the journal."""
+def test_records_are_dealt_over_ranks_and_workers_one_at_a_time():
+    """The deal, on every prefix of a journal of uneven chunks: each chunk's records go
+    to all ranks' workers, every one exactly once; on any prefix the ranks' records differ
+    by one at most (lockstep to the record, whatever the chunk sizes); and a rank's
+    records, its workers taken in turn as a loader takes them, are records r, r + world,
+    ... of the pass."""
     import random
 
     rng = random.Random(0)
-    sizes = [rng.choice([1, 1, 1, 2, 9, 17]) for _ in range(200)]
-    for world in (2, 3, 8):
-        for n in range(1, len(sizes) + 1, 7):
-            lines = [{"records": k} for k in sizes[:n]]
-            loads = [sum(sizes[i] for i in m) for m in assign(lines, world)]
-            assert max(loads) - min(loads) <= max(sizes[:n])
-    # seq % world would not: 17s on even seqs, 1s on odd ones.
-    lines = [{"records": 17 if i % 2 == 0 else 1} for i in range(20)]
-    loads = [sum(lines[i]["records"] for i in m) for m in assign(lines, 2)]
-    assert max(loads) - min(loads) <= 17
-    assert abs(sum(c["records"] for c in lines[0::2]) - sum(c["records"] for c in lines[1::2])) > 17
+    sizes = [rng.choice([0, 1, 1, 2, 3, 9, 17]) for _ in range(120)]
+    lines = [{"records": n} for n in sizes]
+    off = offsets(lines)
+    assert off[0] == 0 and off[-1] == sum(sizes)
+    for world in (1, 2, 3, 8):
+        for workers in (1, 2, 3):
+            taken: dict[tuple[int, int], list[int]] = {}  # (rank, worker): records
+            for i, n in enumerate(sizes):
+                seen = []
+                for r in range(world):
+                    for w in range(workers):
+                        got = share(off[i], n, rank=r, world=world, worker=w, workers=workers)
+                        seen += got
+                        taken.setdefault((r, w), []).extend(off[i] + j for j in got)
+                assert sorted(seen) == list(range(n)), (world, workers, i)
+                done = [sum(len(taken[r, w]) for w in range(workers)) for r in range(world)]
+                assert max(done) - min(done) <= 1, (world, workers, i)
+            for r in range(world):
+                mine = [taken[r, t % workers][t // workers]
+                        for t in range(sum(len(taken[r, w]) for w in range(workers)))]  # fmt: skip
+                assert mine == list(range(r, off[-1], world)), (world, workers, r)
 
 
 def test_siblings_take_a_mismatch_verdict_without_hashing_again(tmp_path, monkeypatch):

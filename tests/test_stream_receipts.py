@@ -35,7 +35,6 @@ CONFIG = {
     "server.health_timeout_s": 120,
     # A budget the tiny run never fills: these tests are about deletion and redo, not waiting.
     "stream.budget_gb": 1.0,
-    "stream.trainer_ranks": 1,
     "stream.prefetch_chunks": 1,
     "stream.checkpoint_chunks": 1,
     "stream.poll_s": 0.2,
@@ -184,7 +183,7 @@ def two_announced(run_dir: Path) -> tuple[list[dict], gate.StreamSettings]:
     for s in sides:
         journal.announce(run_dir, n_chunks=3, **s)
     size = (run_dir / sides[0]["path"]).stat().st_size
-    ss = gate.StreamSettings(budget_gb=(2 * size + 10) / 1e9, trainer_ranks=1, prefetch_chunks=1,
+    ss = gate.StreamSettings(budget_gb=(2 * size + 10) / 1e9, prefetch_chunks=1,
                              checkpoint_chunks=1, low_mark=0.9, poll_s=0.05)  # fmt: skip
     return sides, ss
 

@@ -76,11 +76,11 @@ class Producer(threading.Thread):
 
 
 def _settings(bpt: int) -> gate.StreamSettings:
-    """Room for the trainer's window (1 rank x 2 open chunks + 1 between checkpoints + 1
-    being written) and not much more: well under the run's bytes, so the producer waits."""
+    """Room for the trainer's window (2 open chunks + 1 between checkpoints + 1 being
+    written) and not much more: well under the run's bytes, so the producer waits."""
     est = RECORDS * TOKENS * bpt
-    return gate.StreamSettings(budget_gb=4.5 * est / gate.GB, low_mark=0.75, trainer_ranks=1,
-                               prefetch_chunks=2, checkpoint_chunks=1, poll_s=0.05)  # fmt: skip
+    return gate.StreamSettings(budget_gb=4.5 * est / gate.GB, low_mark=0.75, prefetch_chunks=2,
+                               checkpoint_chunks=1, poll_s=0.05)  # fmt: skip
 
 
 def all_keys() -> Counter:
@@ -560,7 +560,7 @@ def test_specforge_loader_trains_from_a_run_in_progress_under_a_budget(tmp_path)
             seen += [i for i, p in zip(batch["id"], batch["pad"], strict=True) if not p]
             producer.sample()
             state = dl.state_dict()  # the checkpoint's loader state, then its ack
-            new = set(consumed_seqs(run, state, rank=0, world=1)) - acked
+            new = set(consumed_seqs(run, [state])) - acked  # one rank: its state
             acker.ack(new, step=step)
             acked |= new
     finally:

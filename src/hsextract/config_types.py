@@ -172,9 +172,7 @@ class StreamConfig:
     epochs_mode: str = "keep"
     #: passes (epochs) the trainer reads
     passes: int = 1
-    #: the trainer's DDP ranks (its window: the budget must hold it)
-    trainer_ranks: int = 1
-    #: chunks a rank holds open at once, its loader workers together (they split a chunk's records): its window
+    #: chunks the trainer holds open at once, all its ranks and loader workers together (they split each chunk's records): its window
     prefetch_chunks: int = 2
     #: chunks the trainer (all ranks) consumes between checkpoints, unacked meanwhile (its window)
     checkpoint_chunks: int = 2

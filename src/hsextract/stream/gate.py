@@ -72,10 +72,11 @@ class StreamSettings(StreamConfig):
         return self.passes if self.epochs_mode == "keep" else 1
 
     def window_chunks(self) -> int:
-        """Chunks the trainer needs on disk to reach the checkpoint that acks any: each
-        rank's open chunks (its loader workers read the same one, records split), those
-        consumed since the last checkpoint, and the one being written."""
-        return self.trainer_ranks * self.prefetch_chunks + self.checkpoint_chunks + 1
+        """Chunks the trainer needs on disk to reach the checkpoint that acks any: its open
+        chunks (every rank and loader worker reads the same ones, each its share of their
+        records, so neither multiplies them), those consumed since the last checkpoint, and
+        the one being written."""
+        return self.prefetch_chunks + self.checkpoint_chunks + 1
 
 
 def settings_of(cfg: Any) -> StreamSettings | None:
@@ -104,9 +105,9 @@ def check_window(
     if ss.budget_bytes < need:
         raise BudgetRefused(
             f"stream.budget_gb {ss.budget_gb:.6g} ({human(ss.budget_bytes)}) is smaller "
-            f"than the trainer's window: ({ss.trainer_ranks} ranks x {ss.prefetch_chunks} "
-            f"chunks held (loader workers share their rank's) + {ss.checkpoint_chunks} chunks "
-            f"between checkpoints + 1) = {w} chunks, or {w - 1} chunks / stream.low_mark "
+            f"than the trainer's window: ({ss.prefetch_chunks} chunks held (all ranks and "
+            f"loader workers share them) + {ss.checkpoint_chunks} chunks between checkpoints "
+            f"+ 1) = {w} chunks, or {w - 1} chunks / stream.low_mark "
             f"{ss.low_mark:g} = {(w - 1) / ss.low_mark:.3g} (the gate reopens below the low "
             f"mark), x {human(largest_chunk_bytes)} (the largest chunk's estimate) = "
             f"{human(need)}{basis}; raise stream.budget_gb or shrink the window (stream.* "

@@ -1,20 +1,26 @@
 """The trainer's side: a torch ``IterableDataset`` that follows a run in progress.
 
-Split (deterministic, whatever the timing): the chunks of a pass, in journal order, are
-dealt to DDP ranks by :func:`assign` -- each to the rank with the fewest records so far --
-and inside a rank every loader worker reads the *same* chunks, worker ``w`` taking the
-records at positions ``w, w+W, ...`` of the chunk's shuffled order.  Why not
-``seq % world``: ranks step in lockstep, one record each, so with uneven chunks a rank
-dealt small chunks would run many chunks ahead of one dealt a large one, and the chunks
-announced for the slow rank would fill the budget while the fast one waits for its next:
-a deadlock no window formula bounds.  Dealt by records, ranks stay within one chunk of
-each other.  Why records, not chunks, per worker: a rank then holds one chunk open however
-many workers decode it, so the trainer's disk window is ``ranks x prefetch + checkpoint +
-1`` chunks (stream.gate.check_window), and more workers cost no budget.
+Split (deterministic, whatever the timing): the records of a pass are taken in journal
+order, each chunk's in its order shuffled by (seed, pass, seq), and numbered ``k`` over the
+whole pass; record ``k`` goes to DDP rank ``k % world``, and inside a rank its ``t``-th
+record (``t = k // world``) to loader worker ``t % workers`` (:func:`share`).  Why records
+and not chunks to ranks: every rank then reads the *same* chunk at the same time, so the
+trainer's disk window does not grow with its ranks -- ``prefetch + checkpoint + 1``
+chunks (stream.gate.check_window) for any number of ranks and workers -- and ranks are
+always within one record of each other (the end-of-pass padding is at most one sample a
+rank).  Dealt by chunks (each to one rank, as before), every rank held chunks of its own
+open, the window was ``ranks x prefetch + checkpoint + 1`` chunks, and ranks drifted up to a
+chunk apart.  Why the worker split counts over the pass, not restarts at each chunk: a
+``StatefulDataLoader`` takes one record from each worker in turn, so rank ``r``'s ``t``-th
+sample is then exactly record ``t * world + r``; restarted per chunk, worker 0 would take
+the odd record of every chunk and fall a record behind per such chunk, chunks apart over a
+pass.
 
-Resume: each worker's position is its ``state_dict`` (pass, chunk slot, position in its
-share, padding yielded); torchdata's ``StatefulDataLoader`` gathers them from the worker
-processes and replays exactly what it had prefetched but not handed out.
+Resume: each worker's position is its ``state_dict`` (pass, chunk slot in the pass,
+position in its share of that chunk, padding yielded); torchdata's ``StatefulDataLoader``
+gathers them from the worker processes and replays exactly what it had prefetched but not
+handed out.  A chunk is consumed once every worker of every rank has passed it
+(:func:`consumed_seqs` over all ranks' loader states).
 """
 
 from __future__ import annotations
@@ -48,18 +54,30 @@ LAYOUTS = ("raw", "specforge", "speculators")
 log = logging.getLogger("hsextract")
 
 
-def assign(lines: list[dict], world: int) -> list[list[int]]:
-    """Each rank's chunks (indices into ``lines``, in order): chunk i goes to the rank with
-    the fewest records dealt so far, the lowest such rank on a tie.  Chunk i's rank depends
-    on ``lines[:i+1]`` only, so every rank, and every resume, computes the same split from
+def offsets(lines: list[dict]) -> list[int]:
+    """Records of the pass before each chunk of ``lines`` (and, last, after all of them):
+    chunk i's records are numbered ``offsets[i] ..`` over the pass.  Chunk i's depends on
+    ``lines[:i]`` only, so every rank, and every resume, computes the same deal from
     whatever prefix of the journal it has read."""
-    load = [0] * world
-    out: list[list[int]] = [[] for _ in range(world)]
-    for i, c in enumerate(lines):
-        r = min(range(world), key=lambda k: (load[k], k))
-        out[r].append(i)
-        load[r] += int(c["records"])
+    out = [0]
+    for c in lines:
+        out.append(out[-1] + int(c["records"]))
     return out
+
+
+def share(offset: int, records: int, *, rank: int, world: int, worker: int = 0,
+          workers: int = 1) -> range:  # fmt: skip
+    """The positions, in a chunk's shuffled order, of the records that ``worker`` of
+    ``rank`` reads: the chunk's records are numbered ``offset ..`` over the pass; record
+    ``k`` is rank ``k % world``'s, and that rank's ``t``-th (``t = k // world``) its worker
+    ``t % workers``'s, i.e. ``k % (world x workers) == worker x world + rank``."""
+    n = world * workers
+    return range((worker * world + rank - offset) % n, records, n)
+
+
+def rank_records(total: int, rank: int, world: int) -> int:
+    """Records of a pass of ``total`` that ``rank`` reads (ranks differ by one at most)."""
+    return len(range(rank, total, world))
 
 
 def _seed_of(*parts: Any) -> int:
@@ -74,9 +92,9 @@ class StreamDataset(IterableDataset):
     ``keep`` re-reads pass 1's chunks in every pass; ``regenerate`` reads pass p's.
 
     Padding: once the pass has ended every rank knows every rank's record count; a rank
-    short of the largest yields that many padding samples (``pad`` True, one token, loss
-    mask 0), so all ranks take the same number of steps and DDP never waits on a rank that
-    ran out.  Real records are never dropped or repeated.
+    one short of the others (ranks differ by one record at most) yields one padding sample
+    (``pad`` True, one token, loss mask 0), so all ranks take the same number of steps and
+    DDP never waits on a rank that ran out.  Real records are never dropped or repeated.
     """
 
     def __init__(
@@ -125,16 +143,14 @@ class StreamDataset(IterableDataset):
         lines = [c for _, c in sorted(st.chunks.items()) if c["pass"] == src]
         return lines, src in st.ends
 
-    def _wait(self, slot: int) -> tuple[list[dict], list[int], bool]:
-        """The pass's chunks and this rank's share once its ``slot``-th chunk is announced
-        or the pass has ended."""
+    def _wait(self, slot: int) -> tuple[list[dict], bool]:
+        """The pass's chunks once its ``slot``-th is announced or the pass has ended."""
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         seen = None
         while True:
             lines, ended = self._chunks_of_pass(read_state(self.sdir))
-            mine = assign(lines, self.world)[self.rank]
-            if len(mine) > slot or ended:
-                return lines, mine, ended
+            if len(lines) > slot or ended:
+                return lines, ended
             if deadline is not None and time.monotonic() > deadline:
                 raise StreamError(
                     f"rank {self.rank}: no chunk {slot} of pass {self.pass_} in "
@@ -152,37 +168,43 @@ class StreamDataset(IterableDataset):
         if self._pos["pass"] != self.pass_:
             self._pos = {"pass": self.pass_, "slot": 0, "pos": 0, "pad": 0}
         while True:
-            lines, mine, _ = self._wait(self._pos["slot"])
-            if self._pos["slot"] >= len(mine):
-                break  # the pass ended: this rank has no more chunks
-            line = lines[mine[self._pos["slot"]]]
+            slot = self._pos["slot"]
+            lines, _ = self._wait(slot)
+            if slot >= len(lines):
+                break  # the pass ended
+            line = lines[slot]
             order = list(range(int(line["records"])))
             random.Random(_seed_of(self.seed, self.pass_, line["seq"])).shuffle(order)
-            share = order[wid::nw]
+            at = offsets(lines[:slot])[-1]
+            mine = [order[j] for j in share(at, len(order), rank=self.rank, world=self.world,
+                                            worker=wid, workers=nw)]  # fmt: skip
             reader = None
-            if self._pos["pos"] < len(share):
+            if self._pos["pos"] < len(mine):
                 reader, line = self._open(line)  # the revision whose bytes were checked
-            while self._pos["pos"] < len(share):
-                j = share[self._pos["pos"]]
+            while self._pos["pos"] < len(mine):
+                j = mine[self._pos["pos"]]
                 self._pos["pos"] += 1
-                if self._pos["pos"] == len(share):  # done with this chunk: say so at once
+                if self._pos["pos"] == len(mine):  # done with this chunk: say so at once
                     self._pos["slot"] += 1
                     self._pos["pos"] = 0
                 assert reader is not None
                 yield self._sample(reader[j], line)
                 if self._pos["pos"] == 0:
                     break
-            else:
+            else:  # nothing (left) of this chunk for this worker
                 self._pos["slot"] += 1
                 self._pos["pos"] = 0
             del reader
         yield from self._padding(lines, wid, nw)
 
     def _padding(self, lines: list[dict], wid: int, nw: int) -> Iterator[dict[str, Any]]:
-        totals = [sum(int(lines[i]["records"]) for i in m) for m in assign(lines, self.world)]
-        deficit = max(totals) - totals[self.rank]
-        mine = len(range(wid, deficit, nw))
-        while self._pos["pad"] < mine:
+        """The rank's padding samples (at most one: ranks differ by one record), each at
+        the worker whose turn it is, so the loader's round robin goes on in order."""
+        total = offsets(lines)[-1]
+        mine = rank_records(total, self.rank, self.world)
+        deficit = rank_records(total, 0, self.world) - mine
+        todo = len(range((wid - mine) % nw, deficit, nw))
+        while self._pos["pad"] < todo:
             self._pos["pad"] += 1
             yield self._pad_sample(lines)
 
@@ -398,39 +420,54 @@ def _wait_change(path: Path, seen: Any, poll_s: float) -> Any:
         step = min(step * 2, poll_s)
 
 
-def worker_states(loader_state: dict[str, Any]) -> list[dict[str, int]]:
-    """Each loader worker's dataset state inside a ``StatefulDataLoader.state_dict()``
-    (or the dataset's own state with no workers)."""
+def worker_states(loader_state: dict[str, Any]) -> list[dict[str, int] | None]:
+    """Each loader worker's dataset state inside a ``StatefulDataLoader.state_dict()``,
+    indexed by worker id (None: a worker that has not reported one), or the dataset's own
+    state with no workers."""
     snap = loader_state.get("_snapshot", loader_state)
     workers = snap.get("_worker_snapshots")
     if workers:
-        return [w["dataset_state"] for w in workers.values() if w.get("dataset_state")]
+        out: list[dict[str, int] | None] = [None] * len(workers)
+        for key, w in workers.items():
+            out[int(w.get("worker_id", key.rsplit("_", 1)[-1]))] = w.get("dataset_state") or None
+        return out
     ds = loader_state.get("dataset_state") or snap.get("_main_snapshot", {}).get("dataset_state")
-    return [ds] if ds else []
+    return [ds or None]
 
 
 def consumed_seqs(
     run_dir: str | os.PathLike[str],
-    loader_state: dict[str, Any],
+    loader_states: list[dict[str, Any]],
     *,
-    rank: int,
-    world: int,
     epochs_mode: str = StreamConfig.epochs_mode,
 ) -> list[int]:
-    """The seqs this rank's loader state has read to the end in every worker: what a
-    checkpoint holding that state covers, so what may be acked once it commits.
+    """The seqs that every loader worker of every rank has read to the end, given each
+    rank's loader state (``loader_states[r]`` is rank ``r``'s, all-gathered at the
+    checkpoint): what a checkpoint holding those states covers, so what rank 0 may ack
+    once it commits.
 
-    A worker that has not started yet (no state) covers nothing.
+    Why every rank's: all ranks read each chunk (:func:`share`), so a chunk one rank has
+    finished may still be read by another.  Each worker's state says which record of the
+    pass it takes next (it takes every ``world x workers``-th); a chunk is covered once
+    every worker's next record is past it, so a worker with nothing to read in a chunk
+    does not hold it.  A worker that has not reported a state covers nothing; one in a
+    later pass has finished this one.
     """
-    states = worker_states(loader_state)
-    snap = loader_state.get("_snapshot", {})
-    workers = snap.get("_main_snapshot", {}).get("_num_workers", 0) or 1
-    if len(states) < workers:
+    world = len(loader_states)
+    per_rank = [worker_states(s) for s in loader_states]
+    if not per_rank or any(w is None for ws in per_rank for w in ws):
         return []  # a worker that has not reported yet covers nothing
-    pass_ = states[0]["pass"]
-    done = min(s["slot"] for s in states)
+    pass_ = min(int(w["pass"]) for ws in per_rank for w in ws)
     st = read_state(stream_dir(run_dir))
     src = 1 if epochs_mode == "keep" else pass_
     lines = [c for _, c in sorted(st.chunks.items()) if c["pass"] == src]
-    mine = assign(lines, world)[rank]
-    return [int(lines[i]["seq"]) for i in mine[:done]]
+    off = offsets(lines)
+    upto = off[-1]  # the first record of the pass some worker has not taken yet
+    for rank, ws in enumerate(per_rank):
+        n = world * len(ws)
+        for wid, w in enumerate(ws):
+            assert w is not None
+            if int(w["pass"]) == pass_:
+                at = off[min(int(w["slot"]), len(lines))]
+                upto = min(upto, at + (wid * world + rank - at) % n + int(w["pos"]) * n)
+    return [int(c["seq"]) for c, end in zip(lines, off[1:], strict=True) if end <= upto]

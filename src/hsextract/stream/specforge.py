@@ -32,7 +32,8 @@ class SpecForgeStreamDataset(IterableDataset):
     offline normalizer; ``id``, ``seq`` and ``pad`` ride along (acks, bookkeeping).
 
     Stateful like the dataset it wraps (torchdata's protocol), so a
-    ``StatefulDataLoader`` resumes it mid-pass; :func:`consumed_seqs` works on its state.
+    ``StatefulDataLoader`` resumes it mid-pass; :func:`consumed_seqs` works on its loader
+    states (every rank's: the ranks read each chunk together).
     """
 
     def __init__(
