@@ -591,6 +591,56 @@ def test_ranks_and_workers_yield_every_record_once_in_lockstep(tmp_path):
     assert [i.split("-")[0] for i in other] == [i.split("-")[0] for i in first]
 
 
+def test_a_loader_reads_on_with_only_its_window_of_chunks_announced(tmp_path):
+    """The gate announces chunk k + 2 only once the trainer has all of chunk k (its
+    window): the loader must finish chunk k with no more announced.  On 8e234c9 a rank's
+    workers took chunk positions w, w + 3, ... afresh in every chunk, so with 7-record
+    chunks worker 0 took 3 of each and the others 2: the others ran chunks ahead, the
+    loader (one sample from each worker in turn) waited on one of them for a chunk not
+    announced, and chunk k never completed -- the H200 bench's stall (14 chunks unacked,
+    no ack for minutes, 6 consumer workers)."""
+    n, size, ahead = 12, 7, 2
+    sides = [write_chunk(tmp_path, i, size) for i in range(n)]
+    for s in sides[:ahead]:
+        announce(tmp_path, s, n)
+    got: Counter = Counter()
+    errors: list[Exception] = []
+    done = threading.Event()
+    stop = threading.Event()
+
+    def trainer() -> None:
+        dl = None
+        try:
+            dl = iter(loader(StreamDataset(tmp_path, timeout_s=120), workers=3))
+            per: Counter = Counter()
+            nxt = ahead
+            for sample in dl:
+                if stop.is_set():
+                    break
+                got[sample["id"]] += 1
+                per[sample["seq"]] += 1
+                while nxt < n and per[nxt - ahead] == size:  # chunk k complete: k + 2 goes
+                    announce(tmp_path, sides[nxt], n)
+                    nxt += 1
+        except Exception as exc:  # noqa: BLE001 -- the test asserts on it
+            errors.append(exc)
+        finally:
+            del dl  # its workers go with it
+            done.set()
+
+    t = threading.Thread(target=trainer, daemon=True)
+    t.start()
+    try:
+        assert done.wait(120), f"stalled after {sum(got.values())} of {n * size} records"
+        assert not errors, errors
+        assert sum(got.values()) == n * size and set(got.values()) == {1}
+    finally:
+        stop.set()
+        for s in sides:  # a stalled loader's workers wait for these: let them end
+            announce(tmp_path, s, n)
+        t.join(120)
+
+
 def test_a_loaders_workers_hash_each_chunk_once_between_them(tmp_path, monkeypatch):
     """Workers split each chunk's records, so each used to hash every chunk (twice: once
     against the journal, once more at open), a whole read per worker per chunk."""

@@ -47,7 +47,14 @@ from hsextract.chunkfile import (
 from hsextract.chunks import ChunkReader
 from hsextract.commands import snakemake_command
 from hsextract.config_types import StreamConfig
-from hsextract.stream.journal import JOURNAL, AckWriter, StreamError, read_state, stream_dir
+from hsextract.stream.journal import (
+    JOURNAL,
+    AckWriter,
+    StreamError,
+    file_identity,
+    read_state,
+    stream_dir,
+)
 
 LAYOUTS = ("raw", "specforge", "speculators")
 
@@ -287,7 +294,7 @@ def open_checked(
     while True:
         line = read_state(sdir).chunks.get(seq, line)  # a redo announced meanwhile: its line
         path = run_dir / line["path"]
-        hashed = _identity(path)
+        hashed = file_identity(path)
         try:
             verify_chunk_file(path, line["sha256"], shared=verified)
             seen: str | None = line["sha256"]
@@ -309,7 +316,7 @@ def open_checked(
                 reader = ChunkReader(path, verify=False)
             except ChunkFileError as exc:
                 raise StreamError(f"{line['chunk']} (seq {seq}): {exc}") from exc
-            if _identity(path) != hashed:  # replaced (a redo renamed in) since: again
+            if file_identity(path) != hashed:  # replaced (a redo renamed in) since: again
                 continue
             _same_records(dealt, line)
             return reader, line
@@ -352,7 +359,7 @@ def _await_redo(
     sdir = stream_dir(run_dir)
     seq, rev, pass_ = int(line["seq"]), int(line.get("rev", 0)), int(line["pass"])
     path = run_dir / line["path"]
-    mark = _identity(path)
+    mark = file_identity(path)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     said = None
     told = False
@@ -361,8 +368,8 @@ def _await_redo(
         now = st.chunks.get(seq, line)
         if int(now.get("rev", 0)) > rev:
             return now
-        if _identity(path) != mark:  # rewritten: restored, or a redo not announced yet
-            mark = _identity(path)
+        if file_identity(path) != mark:  # rewritten: restored, or a redo not announced yet
+            mark = file_identity(path)
             try:
                 if sha256_file(path) == line["sha256"]:
                     return line
@@ -394,14 +401,6 @@ def _await_redo(
                 who, line["chunk"], seq, bytes_were, line["sha256"][:12],
             )  # fmt: skip
         said = _wait_change(sdir / JOURNAL, said, poll_s)
-
-
-def _identity(path: Path) -> tuple[int, int, int] | None:
-    try:
-        s = path.stat()
-    except FileNotFoundError:
-        return None
-    return (s.st_ino, s.st_size, s.st_mtime_ns)
 
 
 def _wait_change(path: Path, seen: Any, poll_s: float) -> Any:
