@@ -174,6 +174,7 @@ class StreamDataset(IterableDataset):
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
         if self._pos["pass"] != self.pass_:
             self._pos = {"pass": self.pass_, "slot": 0, "pos": 0, "pad": 0}
+        at_slot = at = 0  # records of the pass before chunk at_slot, kept as slots advance
         while True:
             slot = self._pos["slot"]
             lines, _ = self._wait(slot)
@@ -182,7 +183,8 @@ class StreamDataset(IterableDataset):
             line = lines[slot]
             order = list(range(int(line["records"])))
             random.Random(_seed_of(self.seed, self.pass_, line["seq"])).shuffle(order)
-            at = offsets(lines[:slot])[-1]
+            at += sum(int(c["records"]) for c in lines[at_slot:slot])  # O(1) a chunk
+            at_slot = slot
             mine = [order[j] for j in share(at, len(order), rank=self.rank, world=self.world,
                                             worker=wid, workers=nw)]  # fmt: skip
             reader = None
