@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -671,6 +672,63 @@ def test_a_loaders_workers_hash_each_chunk_once_between_them(tmp_path, monkeypat
     del ds, got
     gc.collect()
     assert not verdicts.exists()  # the loader's own temp dir, gone with it
+
+
+def test_the_ranks_of_a_torchrun_job_on_one_node_hash_each_chunk_once_between_them(
+    tmp_path, monkeypatch
+):
+    """Every rank reads every chunk now, so with a verdict dir per rank each chunk was
+    hashed once per rank on the node (twice here on 4b80054, the merge of the pass-wide
+    deal).  Under torchrun (its env) the node's ranks share one dir, removed with the
+    reader that made it; with no torchrun each reader keeps its own."""
+    import gc
+
+    from hsextract import chunkfile
+
+    sizes = [4, 6, 5]
+    make_run(tmp_path / "run", sizes)
+    hashed = tmp_path / "hashed"
+    real = chunkfile.sha256_file
+
+    def counted(path, *a, **k):
+        with open(hashed, "a") as f:  # one write each, from whichever worker process
+            f.write(f"{Path(path).name}\n")
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(chunkfile, "sha256_file", counted)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"test-{os.getpid()}-{tmp_path.name}")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    ranks = [StreamDataset(tmp_path / "run", rank=r, world=2, seed=1, timeout_s=60)
+             for r in range(2)]  # fmt: skip
+    shared = Path(ranks[0].verified)
+    assert Path(ranks[1].verified) == shared and shared.parent == Path(tempfile.gettempdir())
+    got = [s for ds in ranks for s in loader(ds, workers=2)]
+    assert Counter(ids_of(got)) == Counter(f"r{i}-{j}" for i, n in enumerate(sizes)
+                                           for j in range(n))  # fmt: skip
+    assert sorted(hashed.read_text().split()) == [f"chunk_{i:05d}.safetensors" for i in range(3)]
+    del ranks, got
+    gc.collect()
+    assert not shared.exists()  # the reader that made it went: so did the dir
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    alone = [StreamDataset(tmp_path / "run", rank=r, world=2) for r in range(2)]
+    assert Path(alone[0].verified) != Path(alone[1].verified)
+
+
+def test_a_verdict_dir_not_ours_alone_is_never_trusted(tmp_path):
+    """A name another user could have made first, or a symlink to a dir we do not
+    control: the reader hashes in a private dir instead of taking verdicts from it."""
+    from hsextract.chunkfile import VerifiedDir
+
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    link = tmp_path / "link"
+    link.symlink_to(open_dir)
+    for p in (open_dir, link):
+        d = VerifiedDir.shared(str(p))
+        assert Path(d) != p and Path(d).parent == Path(tempfile.gettempdir())
+    mine = VerifiedDir.shared(str(tmp_path / "mine"))
+    assert Path(mine) == tmp_path / "mine" and (tmp_path / "mine").stat().st_mode & 0o777 == 0o700
 
 
 def test_the_reader_follows_a_run_in_progress(tmp_path):

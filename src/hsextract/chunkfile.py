@@ -9,6 +9,7 @@ on the safetensors header and ``numpy``; :mod:`hsextract.chunks` reads the state
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -190,6 +191,30 @@ class VerifiedDir:
         self.path = tempfile.mkdtemp(prefix="hsextract-verified-")
         weakref.finalize(self, _remove_own_dir, self.path, os.getpid())
 
+    @classmethod
+    def shared(cls, path: str) -> VerifiedDir:
+        """The dir at ``path``, which several processes find by name (a trainer's ranks on
+        one node): made here if missing, and then removed when this object goes; borrowed
+        if another made it.  One that is not ours alone (a symlink, another user's, open
+        to others) is never trusted: a private dir instead, whose only cost is hashing
+        again."""
+        import stat
+        import weakref
+
+        made = True
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            made = False
+        st = os.lstat(path)
+        if (not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid()
+                or st.st_mode & 0o077):  # fmt: skip
+            return cls()
+        d = cls(path)
+        if made:
+            weakref.finalize(d, _remove_own_dir, path, os.getpid())
+        return d
+
     def __fspath__(self) -> str:
         return self.path
 
@@ -254,9 +279,11 @@ def verify_chunk_file(
             try:
                 _hash_and_check(path, expected)
             except ChunkDigestError as exc:
-                bad.write_text(exc.actual)
+                with contextlib.suppress(FileNotFoundError):  # the dir's owner went
+                    bad.write_text(exc.actual)
                 raise
-            verdict.touch()
+            with contextlib.suppress(FileNotFoundError):
+                verdict.touch()
     finally:
         os.close(fd)
     _VERIFIED.add(key)

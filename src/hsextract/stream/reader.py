@@ -87,6 +87,26 @@ def rank_records(total: int, rank: int, world: int) -> int:
     return len(range(rank, total, world))
 
 
+def verdict_dir(run_dir: Path) -> VerifiedDir:
+    """Where a reader's processes leave their verdicts on the chunks they hashed.
+
+    Every rank reads every chunk (:func:`share`), so with a dir per rank a node of 8 ranks
+    would read each chunk's bytes 8 times just to hash them.  Under torchrun the ranks of
+    a job on one node share one dir, named from the job's rendezvous id and the run dir
+    (in the temp dir, ours alone: :meth:`VerifiedDir.shared`); a verdict is for one file
+    identity and sha256, so a job restarted under the same id can keep them.  Elsewhere
+    (no torchrun, one local rank) a private dir."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not job or int(os.environ.get("LOCAL_WORLD_SIZE", "1")) < 2:
+        return VerifiedDir()
+    import tempfile
+
+    key = hashlib.sha256(f"{job}\0{Path(run_dir).resolve()}".encode()).hexdigest()[:16]
+    return VerifiedDir.shared(
+        os.path.join(tempfile.gettempdir(), f"hsextract-verified-{os.getuid()}-{key}")
+    )
+
+
 def _seed_of(*parts: Any) -> int:
     return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "big")
 
@@ -128,8 +148,9 @@ class StreamDataset(IterableDataset):
         self.pass_ = 1
         self._pos = {"pass": 1, "slot": 0, "pos": 0, "pad": 0}
         #: Where this dataset's loader workers leave the chunks they hashed: each chunk is
-        #: hashed once per loader, not once per worker reading a share of its records.
-        self.verified = VerifiedDir()
+        #: hashed once per loader, not once per worker reading a share of its records --
+        #: and once per node under torchrun (:func:`verdict_dir`).
+        self.verified = verdict_dir(self.run_dir)
 
     # -- resumable state (torchdata's Stateful protocol, per worker) --------------------
     def state_dict(self) -> dict[str, int]:
