@@ -26,14 +26,24 @@ def snakemake_cmd(workdir: Path, *args: str) -> list[str]:
     ]  # fmt: skip
 
 
+def default_sigint() -> None:
+    """``preexec_fn`` for a child a test sends Ctrl-C: SIGINT at its default, as in a
+    terminal's foreground command, however this suite was started.  A suite started with
+    SIGINT ignored (``(pytest &)`` from a non-interactive shell) passes SIG_IGN on through
+    fork and exec, and Python then installs no KeyboardInterrupt handler: the child would
+    never see the Ctrl-C the test is about."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_snakemake(workdir: Path, *args: str, faults: dict | None = None) -> subprocess.Popen:
     """The workflow in the background, in its own process group (so a test can signal all
-    of it), output merged into ``stdout``; ``faults`` goes to ``HSEXTRACT_FAULTS``."""
+    of it, Ctrl-C included: :func:`default_sigint`), output merged into ``stdout``;
+    ``faults`` goes to ``HSEXTRACT_FAULTS``."""
     env = {**os.environ, "HSEXTRACT_FAULTS": json.dumps(faults)} if faults else None
     return subprocess.Popen(
         snakemake_cmd(workdir, *args),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        start_new_session=True,
+        start_new_session=True, preexec_fn=default_sigint,
     )  # fmt: skip
 
 

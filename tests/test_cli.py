@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fixtures_demo import default_sigint
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "k3y with 'quotes' and $dollars"
@@ -193,7 +194,7 @@ sys.exit(cli.main(["run-dir"]))
 def test_ctrl_c_in_a_command_is_one_line_and_exit_130(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-c", CTRL_C_IN_A_COMMAND],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, preexec_fn=default_sigint,
     )  # fmt: skip
     assert proc.returncode == 130, proc.stderr
     assert proc.stderr.strip() == (

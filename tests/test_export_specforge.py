@@ -22,7 +22,7 @@ from specforge.algorithms.eagle3.data import normalize_offline_sample
 from specforge.data.preprocessing import build_offline_eagle3_dataset
 from specforge.runtime.data_plane.feature_store import LocalFeatureStore, load_feature_file
 from specforge.runtime.data_plane.offline_reader import OfflineManifestReader
-from test_export_common import make_one_chunk_stale, put_other_records_in
+from test_export_common import copy_workdir, make_one_chunk_stale, put_other_records_in
 
 from hsextract.chunks import ChunkReader, ChunkWriter
 from hsextract.commands import snakemake_command
@@ -148,6 +148,14 @@ def exported(demo_run, tmp_path_factory) -> dict:
     return {"workdir": workdir, "run_dir": rd, "out": out_of(rd), "proc": proc}
 
 
+@pytest.fixture
+def exported_copy(exported, tmp_path) -> dict:
+    """A private copy of the exported demo, for a test that changes it (each such test
+    used to copy the demo and run the same first export itself)."""
+    wd, rd = copy_workdir(exported["workdir"], exported["run_dir"], tmp_path / "copy")
+    return {"workdir": wd, "run_dir": rd}
+
+
 def test_specforge_is_installed_without_its_heavy_dependencies():
     assert version("specforge") == "0.2.0"
     assert torch.__version__.startswith("2.13.0")  # not SpecForge's pin (2.11.0)
@@ -176,10 +184,9 @@ def test_a_rerun_does_nothing(exported):
     assert stamps(out) == before
 
 
-def test_reextracting_one_chunk_reexports_only_that_chunk(demo_copy):
-    workdir, rd = demo_copy["workdir"], demo_copy["run_dir"]
+def test_reextracting_one_chunk_reexports_only_that_chunk(exported_copy):
+    workdir, rd = exported_copy["workdir"], exported_copy["run_dir"]
     out = out_of(rd)
-    run_snakemake(workdir, "-j1", "export_specforge")
     before = stamps(out)
     (rd / "hidden" / "chunk_00001.safetensors").unlink()
     plan = planned_jobs(run_snakemake(workdir, "-n", "export_specforge").stdout)
@@ -195,10 +202,9 @@ def test_reextracting_one_chunk_reexports_only_that_chunk(demo_copy):
     check_export(rd, out)
 
 
-def test_a_killed_export_is_repaired_on_rerun(demo_copy):
-    workdir, rd = demo_copy["workdir"], demo_copy["run_dir"]
+def test_a_killed_export_is_repaired_on_rerun(exported_copy):
+    workdir, rd = exported_copy["workdir"], exported_copy["run_dir"]
     out = out_of(rd)
-    run_snakemake(workdir, "-j1", "export_specforge")
     victim = json.loads((out / "done" / "chunk_00002.json").read_text())["files"]
     # What a SIGKILL mid-chunk leaves: no marker (Snakemake removes an incomplete job's
     # output), a journal whose last line is torn, a partial file under its temporary
@@ -234,10 +240,9 @@ def test_a_killed_export_is_repaired_on_rerun(demo_copy):
     assert job_lines(dry, "export_specforge_summary") == 1, dry.stdout
 
 
-def test_a_data_change_reexports_and_removes_what_no_record_holds(demo_copy):
-    workdir, rd = demo_copy["workdir"], demo_copy["run_dir"]
+def test_a_data_change_reexports_and_removes_what_no_record_holds(exported_copy):
+    workdir, rd = exported_copy["workdir"], exported_copy["run_dir"]
     out = out_of(rd)
-    run_snakemake(workdir, "-j1", "export_specforge")
     shard = workdir / "results" / "demo" / "data" / "shard_00.jsonl"
     lines = shard.read_bytes().splitlines(keepends=True)
     shard.write_bytes(b"".join(lines[1:]))
@@ -371,10 +376,9 @@ def test_bf16_states_keep_their_dtype_and_prenorm_aux_is_left_out(exported, tmp_
     assert export_chunk(rd, "chunk_00000", out)["kept"] == len(recs)
 
 
-def test_a_stale_chunk_is_refused(demo_copy):
-    workdir, rd = demo_copy["workdir"], demo_copy["run_dir"]
+def test_a_stale_chunk_is_refused(exported_copy):
+    workdir, rd = exported_copy["workdir"], exported_copy["run_dir"]
     out = out_of(rd)
-    run_snakemake(workdir, "-j1", "export_specforge")
     stale = make_one_chunk_stale(workdir, rd)
     hidden = rd / "hidden" / f"{stale}.safetensors"
     before = stamps(out)

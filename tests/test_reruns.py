@@ -142,10 +142,17 @@ def test_setting_changes_give_what_a_fresh_run_gives(demo_copy, tmp_path):
         set_config(workdir, **config)
         prev_train = (rd / "merged" / "train.jsonl").read_bytes()
         prev = stamps(rd)
-        run_snakemake(workdir, "-j1", "extract_all")
-        assert run_dir_of(workdir) == rd  # none of these is in the fingerprint
+        # The fresh run goes at the same time as the rerun (each -j1 workflow leaves a core
+        # mostly idle; CI has two): its own workdir, output root and dump dir.
         fresh = make_workdir(tmp_path / f"fresh{i}", **config)
-        run_snakemake(fresh, "-j1", "extract_all")
+        proc = start_snakemake(fresh, "-j1", "extract_all")
+        try:
+            run_snakemake(workdir, "-j1", "extract_all")
+            out, _ = proc.communicate(timeout=900)
+        finally:
+            stop_snakemake(proc)
+        assert proc.returncode == 0, f"fresh run {i} failed:\n{out[-8000:]}"
+        assert run_dir_of(workdir) == rd  # none of these is in the fingerprint
         frd = run_dir_of(fresh)
         assert manifest_shas(rd) == manifest_shas(frd), change
         assert sorted(p.name for p in (rd / "hidden").iterdir()) == sorted(

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from fixtures_demo import (
+    default_sigint,
     engine_processes,
     kill_processes_under,
     make_workdir,
@@ -219,6 +220,7 @@ def test_ctrl_c_while_snakemake_prints_is_not_dropped(mode):
         capture_output=True,
         text=True,
         timeout=120,
+        preexec_fn=default_sigint,
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == ("interrupted" if mode == "kept" else "dropped")
