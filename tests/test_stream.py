@@ -642,24 +642,31 @@ def test_a_loader_reads_on_with_only_its_window_of_chunks_announced(tmp_path):
         t.join(120)
 
 
+def count_hashes(tmp_path: Path, monkeypatch) -> Path:
+    """chunkfile.sha256_file counted: the file named gets a line per hash, from whichever
+    worker process took it."""
+    from hsextract import chunkfile
+
+    hashed = tmp_path / "hashed"
+    real = chunkfile.sha256_file
+
+    def counted(path, *a, **k):
+        with open(hashed, "a") as f:
+            f.write(f"{Path(path).name}\n")
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(chunkfile, "sha256_file", counted)
+    return hashed
+
+
 def test_a_loaders_workers_hash_each_chunk_once_between_them(tmp_path, monkeypatch):
     """Workers split each chunk's records, so each used to hash every chunk (twice: once
     against the journal, once more at open), a whole read per worker per chunk."""
     import gc
 
-    from hsextract import chunkfile
-
     sizes = [4, 6, 5]
     make_run(tmp_path / "run", sizes)
-    hashed = tmp_path / "hashed"
-    real = chunkfile.sha256_file
-
-    def counted(path, *a, **k):
-        with open(hashed, "a") as f:  # one write each, from whichever worker process
-            f.write(f"{Path(path).name}\n")
-        return real(path, *a, **k)
-
-    monkeypatch.setattr(chunkfile, "sha256_file", counted)
+    hashed = count_hashes(tmp_path, monkeypatch)
     ds = StreamDataset(tmp_path / "run", seed=1, timeout_s=60)
     got = list(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=3,
                                            multiprocessing_context="fork"))  # fmt: skip
@@ -683,19 +690,9 @@ def test_the_ranks_of_a_torchrun_job_on_one_node_hash_each_chunk_once_between_th
     reader that made it; with no torchrun each reader keeps its own."""
     import gc
 
-    from hsextract import chunkfile
-
     sizes = [4, 6, 5]
     make_run(tmp_path / "run", sizes)
-    hashed = tmp_path / "hashed"
-    real = chunkfile.sha256_file
-
-    def counted(path, *a, **k):
-        with open(hashed, "a") as f:  # one write each, from whichever worker process
-            f.write(f"{Path(path).name}\n")
-        return real(path, *a, **k)
-
-    monkeypatch.setattr(chunkfile, "sha256_file", counted)
+    hashed = count_hashes(tmp_path, monkeypatch)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"test-{os.getpid()}-{tmp_path.name}")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     ranks = [StreamDataset(tmp_path / "run", rank=r, world=2, seed=1, timeout_s=60)

@@ -271,6 +271,19 @@ def test_while_a_nacked_chunks_redo_runs_a_shut_gate_waits_for_it(tmp_path):
     assert "error" not in out and out["got"]["estimate_bytes"] > 0, out
 
 
+def stream_lock_free(run_dir: Path) -> bool:
+    """Whether the stream's lock is free now (another open of its file: flock's own)."""
+    import fcntl
+
+    with open(run_dir / "stream" / journal.LOCK, "a") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        return True
+
+
 def acked_chunks(run_dir: Path, n: int) -> list[dict]:
     sides = [one_chunk(run_dir, i) for i in range(n)]
     for s in sides:
@@ -285,7 +298,6 @@ def test_stream_gc_hashes_outside_the_lock_and_frees_only_what_is_unchanged_sinc
     """A gc hashes (a payload written to since announced: here touched, same bytes) with
     the stream's lock free -- acks and every gate take it; on ae15b2b gc held it through
     every hash -- and deletes only a file whose identity did not change while hashed."""
-    import fcntl
 
     from hsextract import chunkfile
 
@@ -297,13 +309,7 @@ def test_stream_gc_hashes_outside_the_lock_and_frees_only_what_is_unchanged_sinc
     lock_free: list[bool] = []
 
     def hash_and_probe(path):
-        with open(tmp_path / "stream" / journal.LOCK, "a") as f:  # another open: flock's
-            try:
-                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-                lock_free.append(True)
-            except BlockingIOError:
-                lock_free.append(False)
+        lock_free.append(stream_lock_free(tmp_path))
         digest = real(path)
         if Path(path) == paths[1]:  # written to while hashed: same bytes, a new mtime
             st = paths[1].stat()
@@ -599,7 +605,6 @@ def test_the_plan_hashes_nacked_payloads_outside_the_lock_and_deletes_only_uncha
     lock free -- acks and every gate take it, and a payload is GBs; on 8e234c9 it hashed
     under it -- and deletes one only if it did not change while hashed (the next plan
     looks again at the other)."""
-    import fcntl
 
     from hsextract.stream import receipts
 
@@ -614,13 +619,7 @@ def test_the_plan_hashes_nacked_payloads_outside_the_lock_and_deletes_only_uncha
     lock_free: list[bool] = []
 
     def hash_and_probe(path):
-        with open(tmp_path / "stream" / journal.LOCK, "a") as f:  # another open: flock's
-            try:
-                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-                lock_free.append(True)
-            except BlockingIOError:
-                lock_free.append(False)
+        lock_free.append(stream_lock_free(tmp_path))
         digest = real(path)
         if Path(path) == paths[1]:  # written to while hashed
             st = paths[1].stat()
