@@ -139,3 +139,23 @@ def test_quick_cell_row_comes_from_its_run_and_a_second_call_skips_it(tmp_path: 
     finally:
         kill_processes_under(tmp_path)
         shutil.rmtree(work, ignore_errors=True)
+
+
+def test_the_reclaim_shim_runs_the_sitecustomize_it_shadows(tmp_path):
+    """Python imports only the first ``sitecustomize`` on the path.  The dp 2 cell puts
+    tests/live/one_gpu_dp behind bench/reclaim_shim; shadowed, that server found no GPU
+    (H100, 2026-12-06).  The shim must run the next one, once, and not its own again."""
+    nxt = tmp_path / "next"
+    nxt.mkdir()
+    seen = tmp_path / "seen.txt"
+    (nxt / "sitecustomize.py").write_text(
+        f"with open({str(seen)!r}, 'a') as f:\n    f.write('next\\n')\n"
+    )
+    shim = REPO / "bench" / "reclaim_shim"
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{shim}:{nxt}"}
+    subprocess.run([sys.executable, "-c", "pass"], env=env, check=True, timeout=60)
+    assert seen.read_text() == "next\n"
+    seen.unlink()
+    env["PYTHONPATH"] = f"{nxt}:{shim}"  # the other one first: it alone runs, as Python does
+    subprocess.run([sys.executable, "-c", "pass"], env=env, check=True, timeout=60)
+    assert seen.read_text() == "next\n"
