@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from fixtures_demo import poll
 
-from hsextract import server
+from hsextract import budget, server
 from hsextract.chunks import ChunkReader
 from hsextract.client import extract_chunk
 from hsextract.config import load_config, typed
@@ -139,7 +141,6 @@ def test_fidelity_grid(
 def test_chunk_jobs_take_turns_to_send(demo_run, reference, tmp_path, monkeypatch):
     """client.sending_jobs=1 with two chunk jobs at once: one sends while the other waits,
     their sending spans never overlap, and both files are still exact."""
-    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     workdir, rd = demo_run["workdir"], demo_run["run_dir"]
@@ -153,11 +154,22 @@ def test_chunk_jobs_take_turns_to_send(demo_run, reference, tmp_path, monkeypatc
     names = [Path(c["path"]).stem for c in demo_run["manifest"]["chunks"]][:2]
     sidecars: dict[str, dict] = {}
     errors: list[BaseException] = []
-    start = threading.Barrier(len(names))
+    # The test takes the only turn first and hands it on once a job has asked for it, so
+    # that job is held back by the turn whatever the machine's load (with the two jobs
+    # merely started together, one could finish before the other asked: seen under xdist).
+    holder = budget.SendingTurn(tmp_path / "dump", 1)
+    asked: list[float] = []
+    real_acquire = budget.SendingTurn.acquire
+
+    def acquire(self) -> float:  # the real acquire, the time it was asked for noted
+        asked.append(time.time())
+        return real_acquire(self)
+
+    monkeypatch.setattr(budget.SendingTurn, "acquire", acquire)
+    real_acquire(holder)
 
     def job(name: str) -> None:
         try:
-            start.wait()
             sidecars[name] = extract_chunk(
                 copy.deepcopy(cfg),
                 chunk_path=rd / "chunks" / f"{name}.jsonl",
@@ -172,13 +184,21 @@ def test_chunk_jobs_take_turns_to_send(demo_run, reference, tmp_path, monkeypatc
 
     try:
         with ThreadPoolExecutor(len(names)) as pool:
-            list(pool.map(job, names))
+            running = [pool.submit(job, n) for n in names]
+            poll(lambda: asked, "a chunk job asking for its turn")
+            handed_on = time.time()
+            holder.release()
+            for f in running:
+                f.result()
     finally:
+        holder.release()
         server.stop(state)
     assert not errors, errors
     first, second = sorted((sidecars[n]["sending"] for n in names), key=lambda s: s[0])
     assert first[0] <= first[1] <= second[0] <= second[1], (first, second)
-    assert max(sidecars[n]["waited_for_turn_s"] for n in names) > 0
+    # The job that asked while the test held the turn sent only once it was handed on
+    # (the sidecar's times are rounded to the millisecond).
+    assert asked[0] < handed_on <= first[0] + 0.0005, (asked, handed_on, first)
     for n in names:
         compare_chunk(tmp_path / f"{n}.safetensors", reference)
     # No turn is held once the jobs are done: the dump dir goes, turns and all.

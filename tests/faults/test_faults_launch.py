@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 from faultkit import FaultRun, fault_test
 from fixtures_demo import poll
@@ -65,6 +66,7 @@ def test_chunk_jobs_start_while_the_server_loads_and_wait_for_it(run: FaultRun):
         assert st["server"]["starting"] and not st["server"]["healthy"], st["server"]
         assert "server    starting: " in text and "(waiting for the server)" in text, text
     finally:
+        load_ends_after = time.time()  # the load waits on this file
         loaded.touch()
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-5000:]
@@ -76,7 +78,10 @@ def test_chunk_jobs_start_while_the_server_loads_and_wait_for_it(run: FaultRun):
     assert {s["server"]["pid"] for s in sidecars} == {launched["pid"]}  # not replaced
     for s in sidecars:
         assert s["waited_for_server_s"] > 0
-        assert s["started_at"] >= s["server"]["healthy_at"] - 0.5  # extraction, not load
+        # Extraction, not load: after the load was let go.  (Not against healthy_at: that
+        # is stamped by whichever process records the server healthy, which under load can
+        # be after a chunk job saw it answer: seen under xdist, 0.5 s late.)
+        assert s["started_at"] >= load_ends_after, (s["started_at"], load_ends_after)
     assert run.log("server.log").count("start: ") == 1 + 1  # the baseline's and this one
     run.assert_no_processes_left()
 
