@@ -687,7 +687,7 @@ def test_the_ranks_of_a_torchrun_job_on_one_node_hash_each_chunk_once_between_th
     """Every rank reads every chunk now, so with a verdict dir per rank each chunk was
     hashed once per rank on the node (twice here on 4b80054, the merge of the pass-wide
     deal).  Under torchrun (its env) the node's ranks share one dir, removed with the
-    reader that made it; with no torchrun each reader keeps its own."""
+    last reader using it; with no torchrun each reader keeps its own."""
     import gc
 
     sizes = [4, 6, 5]
@@ -705,7 +705,7 @@ def test_the_ranks_of_a_torchrun_job_on_one_node_hash_each_chunk_once_between_th
     assert sorted(hashed.read_text().split()) == [f"chunk_{i:05d}.safetensors" for i in range(3)]
     del ranks, got
     gc.collect()
-    assert not shared.exists()  # the reader that made it went: so did the dir
+    assert not shared.exists()  # the readers using it went: so did the dir
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     alone = [StreamDataset(tmp_path / "run", rank=r, world=2) for r in range(2)]
     assert Path(alone[0].verified) != Path(alone[1].verified)

@@ -10,15 +10,21 @@ on the safetensors header and ``numpy``; :mod:`hsextract.chunks` reads the state
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
+import logging
 import os
+import re
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from hsextract.errors import HsextractError
+
+log = logging.getLogger(__name__)
 
 #: Codecs a chunk may be stored with (storage.py implements them).
 CODECS = ("none", "lossless", "fp8")
@@ -173,12 +179,51 @@ class ChunkHasher:
 _VERIFIED: set[tuple[str, int, int, int, str]] = set()
 
 
-class VerifiedDir:
-    """A private directory where one reader's processes leave the chunk files they hashed
-    (see :func:`verify_chunk_file`'s ``shared``), removed when its creator's object goes.
+#: How every verdict dir's name starts, in the temp dir.
+VERDICT_PREFIX = "hsextract-verified-"
+#: A private verdict dir's name: ``tempfile.mkdtemp``'s 8 characters of its alphabet.
+_PRIVATE_NAME = re.compile(re.escape(VERDICT_PREFIX) + r"[a-z0-9_]{8}")
+#: A user record in a verdict dir, ``user-<pid>-<start>-<host>`` (start: clock ticks since
+#: boot, so a reused pid is never taken for the original; the host, for a temp dir that
+#: several hosts share): an empty file whose name is the record, so made whole by one
+#: ``open(O_EXCL)``.
+_USER_RECORD = re.compile(r"user-(\d+)-(\d+)-(.+)")
+#: A verdict dir with no user record this long after it last changed: its maker died
+#: between making it and recording itself (a window of microseconds), or it was made
+#: before dirs had records.  Younger, it may be being made now: it stays.
+RECORDLESS_GRACE_S = 600.0
+#: This process's user record name per verdict dir it uses, and how many of its objects
+#: use it: the record goes with the last of them.
+_USERS: dict[str, list[Any]] = {}
+_USERS_LOCK = threading.Lock()
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL
 
-    Pickled (a spawned DataLoader worker) it is borrowed: only the creating process
-    removes it, so a worker's copy going away never pulls it from under its siblings.
+
+def shared_verdict_path(key: str) -> str:
+    """The shared verdict dir of the readers keyed ``key`` (16 hex digits), in the temp dir:
+    the sweep (:func:`sweep_verdict_dirs`) knows this name for ours."""
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"{VERDICT_PREFIX}{os.getuid()}-{key}")
+
+
+class VerifiedDir:
+    """A directory where one reader's processes leave the chunk files they hashed (see
+    :func:`verify_chunk_file`'s ``shared``), removed when the last process using it lets
+    its object go.
+
+    Each process that makes or joins one records itself in it (pid and start time, see
+    ``_USER_RECORD``).  A process SIGKILLed (the OOM killer, a scheduler) runs no
+    finalizer, so its dir would stay in the temp dir for good, one per crashed job: each
+    new one first sweeps the temp dir (:func:`sweep_verdict_dirs`) for dirs every user of
+    which is gone.  Why every user, not the maker: a node's ranks share one dir
+    (:meth:`shared`), each rank recorded in it, so a dir whose maker died while a sibling
+    rank still reads through it survives; tracking the ranks costs one empty file each.
+    A rank's loader workers are not recorded: they die with their rank (PyTorch's worker
+    watchdog), and one that outlives it loses only its verdicts (it hashes alone).
+
+    Pickled (a spawned DataLoader worker) it is borrowed: only the processes that recorded
+    themselves remove it, so a worker's copy going away never pulls it from its siblings.
     """
 
     def __init__(self, path: str | None = None) -> None:
@@ -188,32 +233,51 @@ class VerifiedDir:
         import tempfile
         import weakref
 
-        self.path = tempfile.mkdtemp(prefix="hsextract-verified-")
-        weakref.finalize(self, _remove_own_dir, self.path, os.getpid())
+        sweep_verdict_dirs()
+        self.path = tempfile.mkdtemp(prefix=VERDICT_PREFIX)
+        _record_user(self.path)
+        weakref.finalize(self, _leave_dir, self.path, os.getpid())
 
     @classmethod
     def shared(cls, path: str) -> VerifiedDir:
         """The dir at ``path``, which several processes find by name (a trainer's ranks on
-        one node): made here if missing, and then removed when this object goes; borrowed
-        if another made it.  One that is not ours alone (a symlink, another user's, open
-        to others) is never trusted: a private dir instead, whose only cost is hashing
-        again."""
-        import stat
+        one node): made here if missing, joined if another made it, and removed when its
+        last user goes.  One that is not ours alone (a symlink, another user's, open to
+        others) is never trusted: a private dir instead, whose only cost is hashing again.
+
+        One left by a job whose users all died is joined, not swept: its verdicts are for
+        file identities, so a job restarted under the same id keeps them.  The join holds
+        the dir's flock, which a sweep tries first, so a sweep never removes a dir between
+        a join's check and its record; a join that finds the dir swept makes it again."""
         import weakref
 
-        made = True
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            made = False
-        st = os.lstat(path)
-        if (not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid()
-                or st.st_mode & 0o077):  # fmt: skip
-            return cls()
-        d = cls(path)
-        if made:
-            weakref.finalize(d, _remove_own_dir, path, os.getpid())
-        return d
+        sweep_verdict_dirs(keep=path)
+        for _ in range(8):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(path, 0o700)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            except FileNotFoundError:
+                continue  # swept since: make it again
+            except OSError:  # a symlink, or not a directory
+                return cls()
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                st = os.fstat(fd)
+                if st.st_uid != os.getuid() or st.st_mode & 0o077:
+                    return cls()
+                try:
+                    if os.lstat(path).st_ino != st.st_ino:
+                        continue  # swept and made again by another: join that one
+                except FileNotFoundError:
+                    continue
+                _record_user(path)
+            finally:
+                os.close(fd)
+            d = cls(path)
+            weakref.finalize(d, _leave_dir, path, os.getpid())
+            return d
+        return cls()  # swept under us again and again: hash alone
 
     def __fspath__(self) -> str:
         return self.path
@@ -222,12 +286,118 @@ class VerifiedDir:
         return (VerifiedDir, (self.path,))
 
 
-def _remove_own_dir(path: str, owner: int) -> None:
-    # A forked worker inherits the finalizer with the object: only the creator removes.
-    if os.getpid() == owner:
-        import shutil
+def _record_user(path: str) -> None:
+    """Record this process as a user of the verdict dir ``path`` (once per process)."""
+    import socket
 
-        shutil.rmtree(path, ignore_errors=True)
+    from hsextract.budget import _start_time
+
+    with _USERS_LOCK:
+        entry = _USERS.setdefault(path, [None, 0])
+        entry[1] += 1
+        if entry[0] is None:
+            me = os.getpid()
+            entry[0] = f"user-{me}-{_start_time(me)}-{socket.gethostname()}"
+        # Made again even if this process made it before: the dir may be a new one.
+        with contextlib.suppress(FileExistsError):
+            os.close(os.open(os.path.join(path, entry[0]), _NEW_FILE, 0o600))
+
+
+def _user_alive(pid: str, start: str, host: str) -> bool:
+    """Whether a verdict dir's user may still run: on another host it cannot be told."""
+    import socket
+
+    from hsextract.procs import owner_alive
+
+    return host != socket.gethostname() or owner_alive(pid, start)
+
+
+def _leave_dir(path: str, owner: int) -> None:
+    """This process's last object using ``path`` went: drop its record, and the dir if no
+    other user of it lives (under its flock, as a sweep or a join holds it)."""
+    # A forked worker inherits the finalizer with the object: only the recorded process.
+    if os.getpid() != owner:
+        return
+    with _USERS_LOCK:
+        entry = _USERS.get(path)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] > 0:
+            return
+        del _USERS[path]
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(path, entry[0]))
+            if not any(
+                m and _user_alive(*m.groups()) for m in map(_USER_RECORD.fullmatch, os.listdir(fd))
+            ):
+                import shutil
+
+                shutil.rmtree(path, ignore_errors=True)
+        finally:
+            os.close(fd)
+
+
+def sweep_verdict_dirs(keep: str | None = None) -> list[str]:
+    """Remove the verdict dirs in the temp dir that are provably ours and abandoned; return
+    their names.  ``keep``: a dir about to be joined (:meth:`VerifiedDir.shared`).
+
+    Ours: a name we make (a private dir's, or a shared one's with our uid), a real
+    directory (not a symlink), of our uid, mode 0700.  Abandoned: it has user records and
+    none of them runs (each pid gone, or now another process: its start time differs), or
+    it has none and has not changed for ``RECORDLESS_GRACE_S``.  A record of another host
+    is never judged.  A dir being joined or left now (its flock held) is left for the next
+    sweep.  Anything else stays, whatever it holds.
+    """
+    import tempfile
+
+    tmp = tempfile.gettempdir()
+    shared = re.compile(re.escape(VERDICT_PREFIX) + rf"{os.getuid()}-[0-9a-f]{{16}}")
+    keep = os.path.abspath(keep) if keep is not None else None
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in sorted(os.listdir(tmp)):
+            path = os.path.join(tmp, name)
+            if path == keep or not (_PRIVATE_NAME.fullmatch(name) or shared.fullmatch(name)):
+                continue
+            with contextlib.suppress(OSError):  # not a dir, a symlink, gone, not ours
+                if _remove_if_abandoned(path):
+                    removed.append(name)
+    if removed:
+        log.info("removed verdict dirs that killed readers left in %s: %s", tmp, removed)
+    return removed
+
+
+def _remove_if_abandoned(path: str) -> bool:
+    import shutil
+    import stat
+    import time
+
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) != 0o700:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        if os.lstat(path).st_ino != st.st_ino:
+            return False  # replaced since opened: not the dir judged
+        users = [m for m in map(_USER_RECORD.fullmatch, os.listdir(fd)) if m]
+        if users:
+            if any(_user_alive(*m.groups()) for m in users):
+                return False
+        elif time.time() - st.st_mtime < RECORDLESS_GRACE_S:
+            return False
+        shutil.rmtree(path)
+        return True
+    finally:
+        os.close(fd)
 
 
 def verify_chunk_file(
@@ -261,8 +431,6 @@ def verify_chunk_file(
         _hash_and_check(path, expected)
         _VERIFIED.add(key)
         return True
-    import fcntl
-
     name = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
     verdict = Path(shared) / f"{name}.ok"
     try:

@@ -1,8 +1,8 @@
 """Whether a process named in a state file still runs.
 
-Its own module because both the server's lifecycle (hsextract.server) and the stale
-deletion that must spare a live server's files (hsextract.stale) ask, and stale is
-below server.
+Its own module because the server's lifecycle (hsextract.server), the stale deletion
+that must spare a live server's files (hsextract.stale) and the sweep of readers'
+abandoned verdict dirs (hsextract.chunkfile) ask, and both of those are below server.
 """
 
 from __future__ import annotations
@@ -31,3 +31,11 @@ def pid_alive(pid: int | str | None) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return True
+
+
+def owner_alive(pid: int | str, start: str | None = None) -> bool:
+    """Whether the owner still runs: its pid alive, and the same process if ``start`` (its
+    start time) was recorded."""
+    from hsextract.budget import _start_time
+
+    return pid_alive(pid) and (start is None or _start_time(int(pid)) == str(start))

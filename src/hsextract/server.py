@@ -36,7 +36,7 @@ from hsextract.commands import hsextract_command
 from hsextract.config_types import Config
 from hsextract.dp import dp_size, expected_workers, lost_workers
 from hsextract.errors import HsextractError
-from hsextract.procs import pid_alive
+from hsextract.procs import owner_alive, pid_alive
 
 OWNER_ENV = "HSEXTRACT_OWNER_PID"
 #: The owner's start time (clock ticks since boot, /proc/<pid>/stat): with the pid, it names
@@ -172,14 +172,6 @@ def inherited_owner() -> int | None:
     if not value or not owner_alive(value, os.environ.get(OWNER_START_ENV)):
         return None
     return int(value)
-
-
-def owner_alive(pid: int | str, start: str | None = None) -> bool:
-    """Whether the owner still runs: its pid alive, and the same process if ``start`` (its
-    start time) was recorded."""
-    from hsextract.budget import _start_time
-
-    return pid_alive(pid) and (start is None or _start_time(int(pid)) == str(start))
 
 
 def owner_pid() -> int:

@@ -42,6 +42,7 @@ from hsextract.chunkfile import (
     ChunkFileError,
     VerifiedDir,
     sha256_file,
+    shared_verdict_path,
     verify_chunk_file,
 )
 from hsextract.chunks import ChunkReader
@@ -95,16 +96,14 @@ def verdict_dir(run_dir: Path) -> VerifiedDir:
     a job on one node share one dir, named from the job's rendezvous id and the run dir
     (in the temp dir, ours alone: :meth:`VerifiedDir.shared`); a verdict is for one file
     identity and sha256, so a job restarted under the same id can keep them.  Elsewhere
-    (no torchrun, one local rank) a private dir."""
+    (no torchrun, one local rank) a private dir.  Either kind left by a killed reader is
+    removed by the next one made once no process that used it runs
+    (:func:`~hsextract.chunkfile.sweep_verdict_dirs`)."""
     job = os.environ.get("TORCHELASTIC_RUN_ID")
     if not job or int(os.environ.get("LOCAL_WORLD_SIZE", "1")) < 2:
         return VerifiedDir()
-    import tempfile
-
     key = hashlib.sha256(f"{job}\0{Path(run_dir).resolve()}".encode()).hexdigest()[:16]
-    return VerifiedDir.shared(
-        os.path.join(tempfile.gettempdir(), f"hsextract-verified-{os.getuid()}-{key}")
-    )
+    return VerifiedDir.shared(shared_verdict_path(key))
 
 
 def _seed_of(*parts: Any) -> int:
