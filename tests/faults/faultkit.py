@@ -265,11 +265,18 @@ def fault_test(fn: Callable[[FaultRun], None]) -> Callable:
     return test
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def fault_outcomes(request, fault_baseline, tmp_path_factory):
-    """Start every selected scenario in the pool; a test waits for its own future."""
+    """Start this file's selected scenarios in the pool; a test waits for its own future.
+
+    Per file, not per session: under pytest-xdist (the README's test command) every worker
+    collects the whole suite into ``session.items`` but runs only the files it is handed,
+    so a session-wide pool played every scenario of the suite once on each worker that ran
+    any fault file (CI, 2026-12-06: the faults' tests took up to 10x their time)."""
     names = []
     for item in request.session.items:
+        if item.path != request.path:
+            continue
         marker = item.get_closest_marker("fault_scenario")
         if marker and marker.args[0] not in names:
             names.append(marker.args[0])
