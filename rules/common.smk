@@ -5,7 +5,6 @@ import os
 import sys
 from pathlib import Path
 
-from hsextract.budget import _start_time
 from hsextract.commands import record as record_sources
 from hsextract.commands import set_current, sources_of
 from hsextract.config import (
@@ -34,6 +33,7 @@ from hsextract.server import (
     remove_dump_dir_if_empty,
     stop_live,
 )
+from hsextract.procs import start_time
 from hsextract.sizing import chunk_count, chunk_sizing, sizing_report
 from hsextract.smk import runs_jobs
 from hsextract.stages import stage_settings
@@ -101,7 +101,7 @@ MODEL_DIR = Path(CFG.model.path)
 MAIN = inherited_owner() is None
 if MAIN:
     os.environ[OWNER_ENV] = str(os.getpid())
-    os.environ[OWNER_START_ENV] = str(_start_time(os.getpid()))
+    os.environ[OWNER_START_ENV] = str(start_time(os.getpid()))
     os.environ[OWNER_SCOPE_ENV] = host_key()
 
 

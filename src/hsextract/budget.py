@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hsextract.errors import HsextractError
+from hsextract.procs import start_time
 
 DTYPE_BYTES = {
     "float32": 4,
@@ -91,15 +92,6 @@ def dump_bytes_for_request(
     return n_tokens * dump_bytes_per_token(hidden_size, n_aux, dtype) + pieces * PIECE_OVERHEAD
 
 
-def _start_time(pid: int) -> str | None:
-    """A process's start time (clock ticks since boot): tells a reused pid from the original."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
 #: One sequence per process, not per budget: two chunks extracted at once in one process
 #: (two budgets on one dump dir) must never name a reservation alike.
 _SEQ = itertools.count()
@@ -142,7 +134,7 @@ class SharedByteBudget:
         self.peak = 0
         #: How many times this budget took the ledger's lock (bench/client_ceiling.py).
         self.ledger_visits = 0
-        self._me = f"{os.getpid()}-{_start_time(os.getpid())}"
+        self._me = f"{os.getpid()}-{start_time(os.getpid())}"
         self._tlock = threading.Lock()
         self._fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         self._lease = 0  # bytes of this budget's lease in the ledger
@@ -166,7 +158,7 @@ class SharedByteBudget:
                 continue
             owner = f"{parts[0]}-{parts[1]}"
             if owner not in alive:
-                alive[owner] = owner == self._me or _start_time(int(parts[0])) == parts[1]
+                alive[owner] = owner == self._me or start_time(int(parts[0])) == parts[1]
             if not alive[owner]:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry.path)

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from hsextract.errors import HsextractError
+from hsextract.procs import owner_alive, start_time
 
 log = logging.getLogger(__name__)
 
@@ -290,24 +291,25 @@ def _record_user(path: str) -> None:
     """Record this process as a user of the verdict dir ``path`` (once per process)."""
     import socket
 
-    from hsextract.budget import _start_time
-
     with _USERS_LOCK:
         entry = _USERS.setdefault(path, [None, 0])
         entry[1] += 1
         if entry[0] is None:
             me = os.getpid()
-            entry[0] = f"user-{me}-{_start_time(me)}-{socket.gethostname()}"
+            entry[0] = f"user-{me}-{start_time(me)}-{socket.gethostname()}"
         # Made again even if this process made it before: the dir may be a new one.
         with contextlib.suppress(FileExistsError):
             os.close(os.open(os.path.join(path, entry[0]), _NEW_FILE, 0o600))
 
 
+def _user_records(fd: int) -> list[re.Match[str]]:
+    """The user records (``_USER_RECORD``) of the verdict dir open at ``fd``."""
+    return [m for m in map(_USER_RECORD.fullmatch, os.listdir(fd)) if m]
+
+
 def _user_alive(pid: str, start: str, host: str) -> bool:
     """Whether a verdict dir's user may still run: on another host it cannot be told."""
     import socket
-
-    from hsextract.procs import owner_alive
 
     return host != socket.gethostname() or owner_alive(pid, start)
 
@@ -332,9 +334,7 @@ def _leave_dir(path: str, owner: int) -> None:
             fcntl.flock(fd, fcntl.LOCK_EX)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(path, entry[0]))
-            if not any(
-                m and _user_alive(*m.groups()) for m in map(_USER_RECORD.fullmatch, os.listdir(fd))
-            ):
+            if not any(_user_alive(*m.groups()) for m in _user_records(fd)):
                 import shutil
 
                 shutil.rmtree(path, ignore_errors=True)
@@ -388,7 +388,7 @@ def _remove_if_abandoned(path: str) -> bool:
             return False
         if os.lstat(path).st_ino != st.st_ino:
             return False  # replaced since opened: not the dir judged
-        users = [m for m in map(_USER_RECORD.fullmatch, os.listdir(fd)) if m]
+        users = _user_records(fd)
         if users:
             if any(_user_alive(*m.groups()) for m in users):
                 return False

@@ -1,13 +1,22 @@
-"""Whether a process named in a state file still runs.
+"""Whether a process named in a state file still runs, and which process it is.
 
-Its own module because the server's lifecycle (hsextract.server), the stale deletion
-that must spare a live server's files (hsextract.stale) and the sweep of readers'
-abandoned verdict dirs (hsextract.chunkfile) ask, and both of those are below server.
-"""
+Its own module because the server's lifecycle (hsextract.server), the stale deletion that
+must spare a live server's files (hsextract.stale), the /dev/shm ledger and the merge's
+worker files (hsextract.budget, hsextract.records) and the sweep of readers' abandoned
+verdict dirs (hsextract.chunkfile) all ask, and all of them are below server."""
 
 from __future__ import annotations
 
 import os
+
+
+def start_time(pid: int) -> str | None:
+    """A process's start time (clock ticks since boot): tells a reused pid from the original."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
 
 
 def pid_alive(pid: int | str | None) -> bool:
@@ -36,6 +45,4 @@ def pid_alive(pid: int | str | None) -> bool:
 def owner_alive(pid: int | str, start: str | None = None) -> bool:
     """Whether the owner still runs: its pid alive, and the same process if ``start`` (its
     start time) was recorded."""
-    from hsextract.budget import _start_time
-
-    return pid_alive(pid) and (start is None or _start_time(int(pid)) == str(start))
+    return pid_alive(pid) and (start is None or start_time(int(pid)) == str(start))

@@ -46,8 +46,9 @@ from typing import Any
 import numpy as np
 import orjson
 
-from hsextract.budget import _start_time, human
+from hsextract.budget import human
 from hsextract.errors import HsextractError
+from hsextract.procs import start_time
 
 log = logging.getLogger(__name__)
 
@@ -933,7 +934,7 @@ def _init_worker(parent: int, parent_start: str | None, registry: str | None) ->
     if registry is not None and parent_start is not None:
         # Best effort: the death signal is what stops a worker; this only backs it up.
         with contextlib.suppress(OSError):
-            name = f"{parent}-{parent_start}-{me}-{_start_time(me)}"
+            name = f"{parent}-{parent_start}-{me}-{start_time(me)}"
             os.close(os.open(Path(registry, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     _tune_malloc()
 
@@ -997,7 +998,7 @@ def _pool(
         yield None
         return
     me = os.getpid()
-    me_start = _start_time(me)
+    me_start = start_time(me)
     if registry is not None:
         registry.mkdir(mode=0o700, exist_ok=True)
     # fork: the workers need no imports and start in milliseconds; the merge runs in its
@@ -1050,7 +1051,7 @@ def _remove_dead_temps(out_dir: Path, names: re.Pattern[str]) -> list[str]:
             pid = int(m.group(2))
             if pid == os.getpid():
                 continue
-            started = _start_time(pid)
+            started = start_time(pid)
             if started is not None and _boot_time() + int(started) / clock <= st.st_ctime + 1:
                 continue  # that process may have written it: it stays
             os.unlink(path)

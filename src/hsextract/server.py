@@ -36,7 +36,7 @@ from hsextract.commands import hsextract_command
 from hsextract.config_types import Config
 from hsextract.dp import dp_size, expected_workers, lost_workers
 from hsextract.errors import HsextractError
-from hsextract.procs import owner_alive, pid_alive
+from hsextract.procs import owner_alive, pid_alive, start_time
 
 OWNER_ENV = "HSEXTRACT_OWNER_PID"
 #: The owner's start time (clock ticks since boot, /proc/<pid>/stat): with the pid, it names
@@ -261,12 +261,10 @@ def start(
     the command may be gone the next moment (a script, ``ssh host cmd``), and a server
     stopped then is of no use to whoever started it.
     """
-    from hsextract.budget import _start_time
-
     owner_start: str | None = None
     if not detached:
         owner = owner if owner is not None else owner_pid()
-        owner_start = _start_time(owner)
+        owner_start = start_time(owner)
         if owner_start is None or not pid_alive(owner):
             raise ServerError(f"the server's owner (pid {owner}) is gone: not starting it")
     Path(spec.log_path).parent.mkdir(parents=True, exist_ok=True)
@@ -580,14 +578,12 @@ def starting(state: dict | None, spec: ServerSpec) -> bool:
 
 def _of_this_owner(state: dict) -> bool:
     """Started under the workflow running now (its owner, pid and start time)."""
-    from hsextract.budget import _start_time
-
     try:
         owner = owner_pid()
     except ServerError:
         return False  # no owner: the start path says so
     return state.get("owner_pid") == owner and str(state.get("owner_start")) == str(
-        _start_time(owner)
+        start_time(owner)
     )
 
 
