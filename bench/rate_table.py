@@ -421,7 +421,7 @@ def main() -> None:
 
     def save() -> None:
         (out_dir / "rate_table.json").write_text(json.dumps(details, indent=1, default=str))
-        if table.exists():
+        if table.exists() and table != out_dir / "rate_table.csv":  # --csv may be there
             shutil.copy(table, out_dir / "rate_table.csv")
 
     if not args.quick:

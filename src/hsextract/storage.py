@@ -97,10 +97,7 @@ def codec_params(codec: str) -> dict:
 
 def compress_frame(data: memoryview | np.ndarray, esize: int) -> tuple[list, list[int]]:
     """Encode one frame: the planes' bytes and their lengths (negative: stored raw)."""
-    u = np.frombuffer(data, dtype=np.uint8)
-    # One transposed copy splits all planes (measured 3.5 GB/s; a strided copy per plane
-    # runs at half that).
-    planes = u.reshape(-1, esize).T.copy() if esize > 1 else u[None]
+    planes = split_planes(np.frombuffer(data, dtype=np.uint8), esize)
     cctx = _compressor()
     parts: list = []
     lengths: list[int] = []
@@ -122,6 +119,25 @@ def compress_frame(data: memoryview | np.ndarray, esize: int) -> tuple[list, lis
 
 
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def split_planes(u: np.ndarray, esize: int) -> np.ndarray:
+    """``[esize, n]``: byte ``p`` of every element in plane ``p`` (memory order).
+
+    Little-endian, by shifts of whole elements into each plane, the low byte kept: 3.7x
+    faster than one transposed byte copy for bf16 (0.35 vs 1.29 ms a 4 MB frame, ~14 %
+    of a frame's encoding, issue 40; bench/codec.py prints both), the same bytes.  The
+    transposed copy stays for big-endian hosts, where shifts order the planes by value."""
+    if esize == 1:
+        return u[None]
+    if sys.byteorder != "little":
+        return u.reshape(-1, esize).T.copy()
+    word = u.view(_UINT[esize])
+    planes = np.empty((esize, word.size), dtype=np.uint8)
+    np.copyto(planes[0], word, casting="unsafe")  # uint to uint8 keeps the low byte
+    for p in range(1, esize):
+        np.right_shift(word, 8 * p, out=planes[p], casting="unsafe")
+    return planes
 
 
 def decompress_frame(
