@@ -356,3 +356,92 @@ def test_under_a_stream_budget_the_output_disk_needs_the_budget_not_the_run(
     small = preflight(**_args(tmp_path, total_tokens=10), stream_budget_bytes=100 * GB,
                       largest_chunk_tokens=10)  # fmt: skip
     assert small["output_bytes_needed"] == int(10 * 57349 * 1.02)
+
+
+def test_a_release_never_waits_for_the_ledger(tmp_path: Path, monkeypatch) -> None:
+    """Issue 40: another job's ledger visit holds the lock, and one of this job's threads
+    waits for it to acquire bytes; a thread releasing bytes meanwhile returns at once
+    (before, it waited behind the acquiring thread: at -j16 its window slot sat idle
+    there).  The bytes go back to the waiting job all the same, by the watcher."""
+    import fcntl
+    import os
+    import threading
+    import time
+
+    from hsextract.budget import SharedByteBudget
+    from hsextract.procs import start_time
+
+    flocking = threading.Event()
+    real = budget.fcntl.flock
+
+    def noting(fd: int, op: int) -> None:
+        if op & fcntl.LOCK_EX and threading.current_thread().name == "acquirer":
+            flocking.set()
+        real(fd, op)
+
+    monkeypatch.setattr(budget.fcntl, "flock", noting)
+    b = SharedByteBudget(tmp_path, 1000)
+    other = None
+    try:
+        t1, t2 = b.acquire(100), b.acquire(100)
+        # Another live job waits (a lease of 0 bytes: the parent of this test's process).
+        ppid = os.getppid()
+        mark = tmp_path / budget.LEDGER_DIR / f"{ppid}-{start_time(ppid)}-1-0"
+        mark.touch()
+        t3 = b.acquire(100)  # a visit: it sees the waiting job, serves from the lease no more
+        other = os.open(tmp_path / budget.LEDGER_DIR / "lock", os.O_RDWR)
+        real(other, fcntl.LOCK_EX)  # the other job's visit under way
+        got: list[str] = []
+        acq = threading.Thread(target=lambda: got.append(b.acquire(100)), name="acquirer")
+        acq.start()
+        assert flocking.wait(60), "the acquire never went to the ledger"
+        released = threading.Event()
+        rel = threading.Thread(target=lambda: (b.release(t1), released.set()), daemon=True)
+        rel.start()
+        assert released.wait(30), "a release waited for another job's ledger visit"
+        real(other, fcntl.LOCK_UN)
+        acq.join(60)
+        assert got and not acq.is_alive()
+        deadline = time.monotonic() + 60
+        while b.reserved() != 300 and time.monotonic() < deadline:  # the watcher's give-back
+            time.sleep(0.01)
+        assert b.reserved() == 300, "the released bytes were not given back to the waiting job"
+        for t in (t2, t3, got[0]):
+            b.release(t)
+    finally:
+        if other is not None:
+            os.close(other)
+        b.close()
+
+
+def test_a_visit_reads_proc_for_a_live_lease_at_most_once_a_second(tmp_path, monkeypatch):
+    """Issue 40: each ledger visit of a contended budget checked every other lease's owner
+    in /proc, under the lock all jobs take (16 owners at -j16).  An owner seen alive is
+    trusted for ``ALIVE_TTL_S``; a count of who holds what (``reserved``) still reads it."""
+    import os
+
+    from hsextract.budget import SharedByteBudget
+    from hsextract.procs import start_time
+
+    reads: list[int] = []
+
+    def counting(pid: int) -> str | None:
+        reads.append(pid)
+        return start_time(pid)
+
+    monkeypatch.setattr(budget, "start_time", counting)
+    monkeypatch.setattr(budget, "ALIVE_TTL_S", 3600.0)  # no expiry within the test
+    ppid = os.getppid()
+    lease = tmp_path / budget.LEDGER_DIR / f"{ppid}-{start_time(ppid)}-1-300"
+    b = SharedByteBudget(tmp_path, 1000)
+    try:
+        lease.touch()  # another live job's lease: 300 of the 1,000
+        held = [b.acquire(100 + i) for i in range(6)]  # each one grows the lease: a visit
+        assert b.ledger_visits >= 6
+        assert reads.count(ppid) == 1, reads
+        assert b.reserved() == 300 + sum(100 + i for i in range(6))
+        assert reads.count(ppid) == 2, reads  # reserved() reads it again
+        for t in held:
+            b.release(t)
+    finally:
+        b.close()

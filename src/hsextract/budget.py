@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import itertools
+import math
 import os
 import shutil
 import threading
@@ -100,6 +101,14 @@ _SEQ = itertools.count()
 _GRANTED: dict[str, SharedByteBudget] = {}
 
 
+class _Closed(RuntimeError):
+    """A ledger visit after :meth:`SharedByteBudget.close` (a late release's give-back)."""
+
+
+#: How long a ledger visit trusts that a lease's owner it found alive still runs.
+ALIVE_TTL_S = 1.0
+
+
 class SharedByteBudget:
     """A byte semaphore shared by every process that extracts into one dump dir.
 
@@ -121,6 +130,15 @@ class SharedByteBudget:
     longer counts; it is removed by the next reader.  One request alone may exceed the
     budget when nothing else is reserved (the preflight refuses a budget smaller than the
     longest request).
+
+    Two locks: ``_llock`` takes this process's threads to the ledger one at a time (an
+    ``flock`` is shared by the threads of the process that holds it), ``_tlock`` guards
+    the counts and is never held while waiting for the ``flock``.  Why (issue 40): with
+    one lock for both, a thread releasing its bytes waited behind another's ledger visit,
+    itself waiting for other jobs' visits: at 16 chunk jobs on a contended budget, 0.64 s
+    of every request's thread time went there, its window slot held meanwhile
+    (bench/client_ceiling.py, -j16 at dp 8).  So a release never visits the ledger while
+    others wait: it wakes the watcher, which gives the bytes back within ``watch_s``.
     """
 
     def __init__(
@@ -135,7 +153,13 @@ class SharedByteBudget:
         #: How many times this budget took the ledger's lock (bench/client_ceiling.py).
         self.ledger_visits = 0
         self._me = f"{os.getpid()}-{start_time(os.getpid())}"
-        self._tlock = threading.Lock()
+        self._llock = threading.Lock()  # this process's turn at the ledger (before _tlock)
+        self._tlock = threading.Lock()  # the counts below; never held waiting for the flock
+        self._wake = threading.Event()  # a release asks the watcher to give bytes back
+        #: Lease owners seen alive (``pid-start``), and when: a visit re-reads /proc for an
+        #: owner only after ``ALIVE_TTL_S``.  A dead owner's lease may count that much longer
+        #: (the safe side: a wait, never an overcommit); a dead one is never alive again.
+        self._seen_alive: dict[str, float] = {}
         self._fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         self._lease = 0  # bytes of this budget's lease in the ledger
         self._lease_name: str | None = None
@@ -147,10 +171,12 @@ class SharedByteBudget:
         self._closed = threading.Event()
         self._watcher: threading.Thread | None = None
 
-    def _scan(self) -> tuple[int, bool]:
+    def _scan(self, fresh: bool = False) -> tuple[int, bool]:
         """(bytes other processes' leases hold, whether another process waits), under the
         lock; entries of dead processes are removed on the way."""
-        used, waits, mine = 0, False, self._mine()
+        with self._tlock:
+            mine = self._mine()
+        used, waits = 0, False
         alive: dict[str, bool] = {}
         for entry in os.scandir(self.dir):
             parts = entry.name.split("-")
@@ -158,7 +184,7 @@ class SharedByteBudget:
                 continue
             owner = f"{parts[0]}-{parts[1]}"
             if owner not in alive:
-                alive[owner] = owner == self._me or start_time(int(parts[0])) == parts[1]
+                alive[owner] = owner == self._me or self._alive(owner, parts, fresh)
             if not alive[owner]:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry.path)
@@ -166,6 +192,17 @@ class SharedByteBudget:
                 used += int(parts[3])
                 waits = waits or parts[3] == "0"
         return used, waits
+
+    def _alive(self, owner: str, parts: list[str], fresh: bool) -> bool:
+        """Does the lease's owner run?  ``fresh``: read /proc whatever was seen."""
+        now = time.monotonic()
+        if not fresh and now - self._seen_alive.get(owner, -math.inf) < ALIVE_TTL_S:
+            return True
+        if start_time(int(parts[0])) != parts[1]:
+            self._seen_alive.pop(owner, None)
+            return False
+        self._seen_alive[owner] = now
+        return True
 
     def _mine(self) -> set[str]:
         """This budget's own entries: its lease and its threads' waiting marks."""
@@ -176,7 +213,7 @@ class SharedByteBudget:
 
     def _used(self) -> int:
         """Bytes every live lease holds, this budget's own included (under the lock)."""
-        return self._scan()[0] + self._lease
+        return self._scan(fresh=True)[0] + self._lease
 
     def _set_lease(self, nbytes: int) -> None:
         """Make the lease ``nbytes`` (under the lock): one rename, or a create or unlink."""
@@ -202,12 +239,16 @@ class SharedByteBudget:
 
     @contextlib.contextmanager
     def _ledger(self) -> Iterator[None]:
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-        self.ledger_visits += 1
-        try:
-            yield
-        finally:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        """This process's turn at the ledger, then its ``flock`` (take ``_tlock`` inside)."""
+        with self._llock:
+            if self._fd < 0:
+                raise _Closed(f"{self.dir}: this budget is closed")
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            self.ledger_visits += 1
+            try:
+                yield
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def _grant(self, nbytes: int) -> str:
         token = f"{self._me}-{next(_SEQ)}-{nbytes}"
@@ -226,8 +267,9 @@ class SharedByteBudget:
                 with self._tlock:
                     if not self._contended and self._in_use + nbytes <= self._lease:
                         return self._grant(nbytes)
-                    with self._ledger():
-                        others, waits = self._scan()
+                with self._ledger():
+                    others, waits = self._scan()
+                    with self._tlock:
                         self._others, self._contended = others, waits
                         need = self._in_use + nbytes
                         if others + need <= self.capacity or (others == 0 and not self._in_use):
@@ -243,7 +285,7 @@ class SharedByteBudget:
                 delay = min(delay * 2, 0.05)
         finally:
             if me in self._waiting:  # failed or interrupted while waiting
-                with self._tlock, self._ledger():
+                with self._ledger(), self._tlock:
                     self._unmark(me)
 
     def _unmark(self, me: int) -> None:
@@ -267,14 +309,19 @@ class SharedByteBudget:
             if nbytes is None:
                 return
             self._in_use -= nbytes
-            if self._fd >= 0 and (self._contended or not self._in_use):
-                self._shrink()
+            idle, contended = not self._in_use, self._contended
+        if contended:
+            self._wake.set()  # the watcher gives it back: no wait here for the ledger
+        elif idle:
+            self._shrink()
 
     def _shrink(self) -> None:
-        """Give back what the lease holds beyond what is in use (under ``_tlock``)."""
-        if self._lease > self._in_use:
-            with self._ledger():
-                self._set_lease(self._in_use)
+        """Give back what the lease holds beyond what is in use."""
+        with self._tlock:
+            if self._fd < 0 or self._lease <= self._in_use:
+                return
+        with contextlib.suppress(_Closed), self._ledger(), self._tlock:
+            self._set_lease(self._in_use)
 
     def _watch(self) -> None:
         """While the lease holds more than is in use, look for another process waiting
@@ -282,7 +329,11 @@ class SharedByteBudget:
         alone until nobody waits.  Why a thread: every sender thread of the job may be
         waiting on the server, none acquiring or releasing, while another job waits for
         bytes this lease holds idle."""
-        while not self._closed.wait(self.watch_s):
+        while True:
+            self._wake.wait(self.watch_s)
+            self._wake.clear()
+            if self._closed.is_set():
+                return
             if self._lease <= self._in_use and not self._contended:
                 continue
             with self._tlock:
@@ -295,12 +346,12 @@ class SharedByteBudget:
                         break
             with self._tlock:
                 self._contended = waits
-                if waits and self._fd >= 0:
-                    self._shrink()
+            if waits or not self._in_use:
+                self._shrink()
 
     def reserved(self) -> int:
         """Bytes reserved now by live processes."""
-        with self._tlock, self._ledger():
+        with self._ledger():
             return self._used()
 
     @contextlib.contextmanager
@@ -313,19 +364,24 @@ class SharedByteBudget:
         takes the same lock), so none starts a request whose pieces a cleanup would then
         remove.
         """
-        with self._tlock, self._ledger():
+        with self._ledger():
             yield self._used() == 0
 
     def close(self) -> None:
         """Give the lease back (nothing is in use by then) and stop the watcher."""
         self._closed.set()
+        self._wake.set()
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join()
-        with self._tlock:
-            if self._fd >= 0:
-                with self._ledger():
+        with self._llock:
+            if self._fd < 0:
+                return
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                with self._tlock:
                     self._set_lease(0)
-                os.close(self._fd)
+            finally:
+                os.close(self._fd)  # the flock goes with it
                 self._fd = -1
 
 
