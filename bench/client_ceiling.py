@@ -774,19 +774,23 @@ _GIL_FREE = re.compile(
 )
 
 
-def gil_held_s(files: list[Path]) -> float:
+def gil_held_s(files: list[Path]) -> float | None:
     """Seconds of the profiles' own time (each thread's CPU) outside the calls that release
     the GIL: Python code and the C calls that keep it.  A job's threads share one GIL, so
     per request this bounds one job's requests/s.  An estimate: cProfile's own overhead is
-    in it."""
+    in it.  None where the profile has negative own times: cProfile subtracts a callee's
+    time read on one thread from a caller's read on another (thread starts, pool hand-offs),
+    which with ~100 threads a job made the sum negative on the 16-core device (issue 40)."""
     if not files:
         return 0.0
     stats = pstats.Stats(*[str(f) for f in files])
-    return sum(
-        tt
+    own = [
+        (tt, path == "~" and bool(_GIL_FREE.search(name)))
         for (path, _, name), (_, _, tt, _, _) in stats.stats.items()  # type: ignore[attr-defined]
-        if not (path == "~" and _GIL_FREE.search(name))
-    )
+    ]
+    if any(tt < 0 for tt, _ in own):
+        return None
+    return sum(tt for tt, free in own if not free)
 
 
 def profile_text(files: list[Path], top: int, full: bool = True) -> str:
@@ -912,8 +916,9 @@ def main() -> None:
                 per_cell.append(f"===== L{L} aux{k} dp{d} =====\n" + profile_text(files, 15, False))
             c, b, pr = got["client"], got.get("bare"), got.get("profiled")
             if pr and not a.no_profile:
-                pr["gil_held_ms_per_request_est"] = round(
-                    gil_held_s(files) / max(pr["records"], 1) * 1e3, 3
+                held = gil_held_s(files)
+                pr["gil_held_ms_per_request_est"] = (
+                    None if held is None else round(held / max(pr["records"], 1) * 1e3, 3)
                 )
             rows.extend(got.values())
             ratio = f"{c['requests_per_s'] / b['requests_per_s']:.3f}" if b else "-"
@@ -950,8 +955,10 @@ def main() -> None:
                 "the calls that release the GIL; cProfile's overhead is in it, so it is high): "
                 "what bounds one job's requests/s")  # fmt: skip
             for r in gil:
+                est = r["gil_held_ms_per_request_est"]
                 say(f"  L{r['length']} aux{r['layers']} dp{r['dp']}: "
-                    f"{r['gil_held_ms_per_request_est']:.3f} ms")  # fmt: skip
+                    + (f"{est:.3f} ms" if est is not None else "not told: the profile has "
+                       "negative own times (cProfile across the job's threads)"))  # fmt: skip
         leftovers = sum(r["leftover_request_dirs"] for r in rows)
         say(f"leftover request dirs in the dump dirs: {leftovers}")
         prof = ""

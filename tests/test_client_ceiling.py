@@ -50,3 +50,32 @@ def test_quick_run_serves_requests_and_consumes_every_piece(tmp_path):
     # Its work dir (records, chunk files, dump dir) is gone, and so is its stub.
     assert not Path(report["work_dir"]).exists() and list(root.iterdir()) == []
     assert not [p for r in rows for p in r["stub_pids"] if _ours_alive(p)]
+
+
+def test_the_gil_estimate_is_withheld_where_the_profile_has_negative_own_times(tmp_path):
+    """On the 16-core device the estimate came out negative (cProfile's per-thread times
+    across a job's ~100 threads): such a profile gives no figure, a sound one gives the
+    own time outside the calls that release the GIL."""
+    import importlib.util
+    import marshal
+
+    spec = importlib.util.spec_from_file_location("ceiling", REPO / "bench" / "client_ceiling.py")
+    ceiling = importlib.util.module_from_spec(spec)
+    sys.modules["ceiling"] = ceiling
+    try:
+        spec.loader.exec_module(ceiling)
+    finally:
+        del sys.modules["ceiling"]
+
+    def pstats_file(name: str, entries: dict) -> Path:
+        path = tmp_path / name
+        path.write_bytes(marshal.dumps(entries))
+        return path
+
+    py = ("client.py", 10, "one")
+    sha = ("~", 0, "<method 'update' of '_hashlib.HASH' objects>")
+    start = ("threading.py", 973, "start")
+    sound = pstats_file("a.pstats", {py: (5, 5, 0.25, 1.0, {}), sha: (5, 5, 0.75, 0.75, {})})
+    broken = pstats_file("b.pstats", {py: (5, 5, 0.25, 1.0, {}), start: (1, 1, -3.0, 9.0, {})})
+    assert ceiling.gil_held_s([sound]) == 0.25
+    assert ceiling.gil_held_s([broken]) is None
