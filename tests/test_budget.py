@@ -445,3 +445,121 @@ def test_a_visit_reads_proc_for_a_live_lease_at_most_once_a_second(tmp_path, mon
             b.release(t)
     finally:
         b.close()
+
+
+def _another_job_waits(tmp_path: Path) -> Path:
+    """A waiting mark (a lease of 0 bytes) of another live process: this test's parent."""
+    import os
+
+    from hsextract.procs import start_time
+
+    ppid = os.getppid()
+    mark = tmp_path / budget.LEDGER_DIR / f"{ppid}-{start_time(ppid)}-1-0"
+    mark.touch()
+    return mark
+
+
+def _until(cond, seconds: float = 60.0) -> bool:
+    """Wait for ``cond()`` (a state another thread reaches), with a generous deadline."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def test_a_release_that_leaves_the_job_idle_never_waits_for_the_ledger(tmp_path: Path) -> None:
+    """The job's last bytes are released while another job's visit holds the ledger: the
+    release returns at once, and the lease goes back once the ledger is free."""
+    import fcntl
+    import os
+    import threading
+
+    from hsextract.budget import SharedByteBudget
+
+    b = SharedByteBudget(tmp_path, 1000)
+    other = os.open(tmp_path / budget.LEDGER_DIR / "lock", os.O_RDWR)
+    try:
+        t = b.acquire(100)
+        fcntl.flock(other, fcntl.LOCK_EX)
+        released = threading.Event()
+        threading.Thread(target=lambda: (b.release(t), released.set()), daemon=True).start()
+        assert released.wait(30), "the release waited for another job's ledger visit"
+        fcntl.flock(other, fcntl.LOCK_UN)
+        assert _until(lambda: b.reserved() == 0), "the idle lease was never given back"
+    finally:
+        os.close(other)
+        b.close()
+
+
+def test_a_failed_give_back_is_retried_not_stranded(tmp_path: Path, monkeypatch) -> None:
+    """Under contention the watcher gives released bytes back; one give-back that fails
+    (an OSError renaming the lease) is retried, never the watcher's silent end (which left
+    the bytes stranded until the job closed)."""
+    import threading
+
+    from hsextract.budget import SharedByteBudget
+
+    b = SharedByteBudget(tmp_path, 1000)
+    failed = threading.Event()
+    try:
+        t1, t2 = b.acquire(300), b.acquire(300)
+        _another_job_waits(tmp_path)
+        t3 = b.acquire(100)  # a visit: contended from now on
+        real = b._set_lease
+
+        def once(nbytes: int) -> None:
+            if threading.current_thread() is b._watcher and not failed.is_set():
+                failed.set()
+                raise OSError("injected: rename failed")
+            real(nbytes)
+
+        monkeypatch.setattr(b, "_set_lease", once)
+        b.release(t1)
+        assert failed.wait(60), "the watcher never tried to give the bytes back"
+        assert _until(lambda: b.reserved() == 400), "the released bytes stayed stranded"
+        b.release(t2)
+        b.release(t3)
+        assert _until(lambda: b.reserved() == 0)
+    finally:
+        b.close()
+
+
+def test_close_takes_a_waiting_threads_mark_with_it(tmp_path: Path) -> None:
+    """A thread waits for bytes (another live job holds them all) when the budget closes:
+    its waiting mark goes too (other jobs' watchers would see a waiter forever), and the
+    thread's acquire ends with an error instead of waiting on."""
+    import os
+    import threading
+
+    from hsextract.budget import SharedByteBudget
+    from hsextract.procs import start_time
+
+    ppid = os.getppid()
+    ledger = tmp_path / budget.LEDGER_DIR
+    ledger.mkdir()
+    (ledger / f"{ppid}-{start_time(ppid)}-1-1000").touch()  # the whole budget, held
+    b = SharedByteBudget(tmp_path, 1000)
+    ended: list[BaseException] = []
+
+    def wait_for_bytes() -> None:
+        try:
+            b.acquire(100)
+        except BaseException as exc:  # noqa: BLE001 - what the waiting thread saw
+            ended.append(exc)
+
+    th = threading.Thread(target=wait_for_bytes, daemon=True)
+    mine = f"{os.getpid()}-"
+    try:
+        th.start()
+        assert _until(lambda: any(p.name.startswith(mine) for p in ledger.iterdir()))
+        b.close()
+        th.join(60)
+        assert not th.is_alive() and ended, "the waiting acquire did not end at close"
+        assert not [p.name for p in ledger.iterdir() if p.name.startswith(mine)]
+    finally:
+        b.close()
+        th.join(60)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import itertools
+import logging
 import math
 import os
 import shutil
@@ -21,6 +22,8 @@ from typing import Any
 
 from hsextract.errors import HsextractError
 from hsextract.procs import start_time
+
+log = logging.getLogger(__name__)
 
 DTYPE_BYTES = {
     "float32": 4,
@@ -285,7 +288,7 @@ class SharedByteBudget:
                 delay = min(delay * 2, 0.05)
         finally:
             if me in self._waiting:  # failed or interrupted while waiting
-                with self._ledger(), self._tlock:
+                with contextlib.suppress(_Closed), self._ledger(), self._tlock:
                     self._unmark(me)
 
     def _unmark(self, me: int) -> None:
@@ -313,7 +316,30 @@ class SharedByteBudget:
         if contended:
             self._wake.set()  # the watcher gives it back: no wait here for the ledger
         elif idle:
-            self._shrink()
+            self._try_shrink()
+
+    def _try_shrink(self) -> None:
+        """Give back the idle lease now if the ledger is free, else leave it to the watcher."""
+        if not self._llock.acquire(blocking=False):
+            self._wake.set()
+            return
+        try:
+            if self._fd < 0:
+                return
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self._wake.set()
+                return
+            try:
+                self.ledger_visits += 1
+                with self._tlock:
+                    if self._lease > self._in_use:
+                        self._set_lease(self._in_use)
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            self._llock.release()
 
     def _shrink(self) -> None:
         """Give back what the lease holds beyond what is in use."""
@@ -329,6 +355,7 @@ class SharedByteBudget:
         alone until nobody waits.  Why a thread: every sender thread of the job may be
         waiting on the server, none acquiring or releasing, while another job waits for
         bytes this lease holds idle."""
+        failing = False
         while True:
             self._wake.wait(self.watch_s)
             self._wake.clear()
@@ -347,7 +374,13 @@ class SharedByteBudget:
             with self._tlock:
                 self._contended = waits
             if waits or not self._in_use:
-                self._shrink()
+                try:
+                    self._shrink()
+                    failing = False
+                except OSError as exc:  # retried next round: a dead watcher strands bytes
+                    if not failing:
+                        log.warning("%s: giving back budget failed (%s); retrying", self.dir, exc)
+                    failing = True
 
     def reserved(self) -> int:
         """Bytes reserved now by live processes."""
@@ -380,6 +413,8 @@ class SharedByteBudget:
             try:
                 with self._tlock:
                     self._set_lease(0)
+                    for me in list(self._waiting):
+                        self._unmark(me)
             finally:
                 os.close(self._fd)  # the flock goes with it
                 self._fd = -1
