@@ -241,17 +241,28 @@ class SharedByteBudget:
             self._watcher.start()
 
     @contextlib.contextmanager
-    def _ledger(self) -> Iterator[None]:
-        """This process's turn at the ledger, then its ``flock`` (take ``_tlock`` inside)."""
-        with self._llock:
+    def _ledger(self, wait: bool = True) -> Iterator[bool]:
+        """This process's turn at the ledger, then its ``flock`` (take ``_tlock`` inside).
+        Yields whether both are held: without ``wait``, False where either is busy."""
+        if not self._llock.acquire(blocking=wait):
+            yield False
+            return
+        try:
             if self._fd < 0:
                 raise _Closed(f"{self.dir}: this budget is closed")
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-            self.ledger_visits += 1
             try:
-                yield
+                fcntl.flock(self._fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+                held = True
+            except BlockingIOError:
+                held = False
+            self.ledger_visits += held
+            try:
+                yield held
             finally:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+                if held and self._fd >= 0:  # close() closes the fd, and its flock with it
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            self._llock.release()
 
     def _grant(self, nbytes: int) -> str:
         token = f"{self._me}-{next(_SEQ)}-{nbytes}"
@@ -316,38 +327,20 @@ class SharedByteBudget:
         if contended:
             self._wake.set()  # the watcher gives it back: no wait here for the ledger
         elif idle:
-            self._try_shrink()
+            self._shrink(wait=False)
 
-    def _try_shrink(self) -> None:
-        """Give back the idle lease now if the ledger is free, else leave it to the watcher."""
-        if not self._llock.acquire(blocking=False):
-            self._wake.set()
-            return
-        try:
-            if self._fd < 0:
-                return
-            try:
-                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                self._wake.set()
-                return
-            try:
-                self.ledger_visits += 1
-                with self._tlock:
-                    if self._lease > self._in_use:
-                        self._set_lease(self._in_use)
-            finally:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
-        finally:
-            self._llock.release()
-
-    def _shrink(self) -> None:
-        """Give back what the lease holds beyond what is in use."""
+    def _shrink(self, wait: bool = True) -> None:
+        """Give back what the lease holds beyond what is in use.  Without ``wait`` (a
+        release): now if the ledger is free, else the watcher does it."""
         with self._tlock:
             if self._fd < 0 or self._lease <= self._in_use:
                 return
-        with contextlib.suppress(_Closed), self._ledger(), self._tlock:
-            self._set_lease(self._in_use)
+        with contextlib.suppress(_Closed), self._ledger(wait) as held:
+            if not held:
+                self._wake.set()
+                return
+            with self._tlock:
+                self._set_lease(self._in_use)
 
     def _watch(self) -> None:
         """While the lease holds more than is in use, look for another process waiting
@@ -406,15 +399,11 @@ class SharedByteBudget:
         self._wake.set()
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join()
-        with self._llock:
-            if self._fd < 0:
-                return
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        with contextlib.suppress(_Closed), self._ledger(), self._tlock:
             try:
-                with self._tlock:
-                    self._set_lease(0)
-                    for me in list(self._waiting):
-                        self._unmark(me)
+                self._set_lease(0)
+                for me in list(self._waiting):
+                    self._unmark(me)
             finally:
                 os.close(self._fd)  # the flock goes with it
                 self._fd = -1
