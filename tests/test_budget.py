@@ -384,9 +384,10 @@ def test_a_release_never_waits_for_the_ledger(tmp_path: Path, monkeypatch) -> No
     other = None
     try:
         t1, t2 = b.acquire(100), b.acquire(100)
-        # Another live job waits (a lease of 0 bytes: the parent of this test's process).
+        # Another live job waits (a lease of 0 bytes: the parent of this test's process),
+        # having come after this one's requests (its ticket is later than theirs).
         ppid = os.getppid()
-        mark = tmp_path / budget.LEDGER_DIR / f"{ppid}-{start_time(ppid)}-1-0"
+        mark = tmp_path / budget.LEDGER_DIR / f"{ppid}-{start_time(ppid)}-{LATER}-0"
         mark.touch()
         t3 = b.acquire(100)  # a visit: it sees the waiting job, serves from the lease no more
         other = os.open(tmp_path / budget.LEDGER_DIR / "lock", os.O_RDWR)
@@ -447,14 +448,20 @@ def test_a_visit_reads_proc_for_a_live_lease_at_most_once_a_second(tmp_path, mon
         b.close()
 
 
+#: A waiting mark's ticket later than any request of the test's (the host's monotonic
+#: clock in ns): another job that came to the ledger after them, so they go first.
+LATER = 9 * 10**18
+
+
 def _another_job_waits(tmp_path: Path) -> Path:
-    """A waiting mark (a lease of 0 bytes) of another live process: this test's parent."""
+    """A waiting mark (a lease of 0 bytes) of another live process, this test's parent,
+    that came after every request of the test."""
     import os
 
     from hsextract.procs import start_time
 
     ppid = os.getppid()
-    mark = tmp_path / budget.LEDGER_DIR / f"{ppid}-{start_time(ppid)}-1-0"
+    mark = tmp_path / budget.LEDGER_DIR / f"{ppid}-{start_time(ppid)}-{LATER}-0"
     mark.touch()
     return mark
 
@@ -563,3 +570,95 @@ def test_close_takes_a_waiting_threads_mark_with_it(tmp_path: Path) -> None:
     finally:
         b.close()
         th.join(60)
+
+
+def test_a_waiting_request_is_not_overtaken_by_smaller_ones_that_came_later(tmp_path: Path):
+    """First come, first served: job Y waits for 500 bytes while job X holds 900 of 1,000;
+    job Z then asks for 100, which would fit at once, and waits behind Y instead (before,
+    small requests took every byte freed while a long record's waited, for as long as
+    they kept coming).  Once X lets go, Y is served first, then Z."""
+    import threading
+
+    from hsextract.budget import SharedByteBudget
+
+    ledger = tmp_path / budget.LEDGER_DIR
+    bx, by, bz = (SharedByteBudget(tmp_path, 1000) for _ in range(3))
+    order: list[str] = []
+    tokens: dict[str, str] = {}
+    lock = threading.Lock()
+
+    def ask(name: str, b: SharedByteBudget, n: int) -> None:
+        token = b.acquire(n)
+        with lock:
+            order.append(name)
+            tokens[name] = token
+
+    def waiting() -> int:
+        return sum(1 for p in ledger.iterdir() if p.name.endswith("-0"))
+
+    threads = []
+    tx = bx.acquire(900)
+    try:
+        threads.append(threading.Thread(target=ask, args=("Y", by, 500), daemon=True))
+        threads[-1].start()
+        assert _until(lambda: waiting() == 1), "Y never waited"
+        threads.append(threading.Thread(target=ask, args=("Z", bz, 100), daemon=True))
+        threads[-1].start()
+        assert _until(lambda: waiting() == 2 or bool(order)), "Z neither waited nor got bytes"
+        assert order == [], f"{order[0]} got bytes past a request that waited before it"
+        bx.release(tx)
+        for t in threads:
+            t.join(60)
+        assert order == ["Y", "Z"]
+        assert waiting() == 0
+    finally:
+        bx.release(tx)  # a second release of a token is a no-op
+        for t in threads:
+            t.join(60)
+        by.release(tokens.get("Y", ""))
+        bz.release(tokens.get("Z", ""))
+        for b in (bx, by, bz):
+            b.close()
+
+
+def test_a_job_using_its_whole_lease_still_lets_a_waiter_go_first(tmp_path: Path):
+    """Job X's lease is all in use (3 x 100 of 400) and its threads take bytes back from
+    it as soon as they release them; job Y waits for 200.  X's watcher sees Y (before, it
+    looked only while the lease held more than was in use, so Y was never seen), and the
+    100 bytes X releases go to Y's turn, not back to X."""
+    import threading
+
+    from hsextract.budget import SharedByteBudget
+
+    bx, by = SharedByteBudget(tmp_path, 400), SharedByteBudget(tmp_path, 400)
+    order: list[str] = []
+    tokens: dict[str, str] = {}
+
+    def ask(name: str, b: SharedByteBudget, n: int) -> None:
+        tokens[name] = b.acquire(n)
+        order.append(name)
+
+    held = [bx.acquire(100) for _ in range(3)]
+    threads = [threading.Thread(target=ask, args=("Y", by, 200), daemon=True)]
+    try:
+        threads[0].start()
+        # The watcher's view (what its scan found), read as the event to wait for.
+        assert _until(lambda: bx._contended), "a job with its whole lease in use never saw Y"
+        bx.release(held.pop(0))
+        threads.append(threading.Thread(target=ask, args=("X", bx, 100), daemon=True))
+        threads[1].start()
+        assert _until(lambda: bool(order)), "nobody got the released bytes"
+        assert order[0] == "Y", "the job took its released bytes back past a waiter"
+        by.release(tokens["Y"])
+        threads[1].join(60)
+        assert order == ["Y", "X"]
+    finally:
+        for t in held:
+            bx.release(t)
+        for name, b in (("Y", by), ("X", bx)):
+            if name in tokens:
+                b.release(tokens[name])
+        for t in threads:
+            t.join(60)
+        bx.close()
+        by.close()

@@ -174,12 +174,14 @@ class SharedByteBudget:
         self._closed = threading.Event()
         self._watcher: threading.Thread | None = None
 
-    def _scan(self, fresh: bool = False) -> tuple[int, bool]:
-        """(bytes other processes' leases hold, whether another process waits), under the
-        lock; entries of dead processes are removed on the way."""
+    def _scan(self, fresh: bool = False) -> tuple[int, bool, int | None]:
+        """(bytes other processes' leases hold, whether another process waits, the oldest
+        waiting mark's ticket, this budget's own marks included), under the lock; entries
+        of dead processes are removed on the way."""
         with self._tlock:
             mine = self._mine()
         used, waits = 0, False
+        oldest: int | None = None
         alive: dict[str, bool] = {}
         for entry in os.scandir(self.dir):
             parts = entry.name.split("-")
@@ -191,10 +193,14 @@ class SharedByteBudget:
             if not alive[owner]:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry.path)
-            elif entry.name not in mine:
+                continue
+            if parts[3] == "0" and parts[2].isdigit():  # a waiting mark, named by its ticket
+                ticket = int(parts[2])
+                oldest = ticket if oldest is None else min(oldest, ticket)
+            if entry.name not in mine:
                 used += int(parts[3])
                 waits = waits or parts[3] == "0"
-        return used, waits
+        return used, waits, oldest
 
     def _alive(self, owner: str, parts: list[str], fresh: bool) -> bool:
         """Does the lease's owner run?  ``fresh``: read /proc whatever was seen."""
@@ -273,30 +279,48 @@ class SharedByteBudget:
         return token
 
     def acquire(self, nbytes: int) -> str:
-        """Wait until ``nbytes`` fit; returns the reservation to hand to :meth:`release`."""
+        """Wait until ``nbytes`` fit, first come first served; returns the reservation to
+        hand to :meth:`release`.
+
+        Why in order: without it a large request (a long record) waiting for room lost
+        every race to the small ones behind it, each of which fits in less, for as long
+        as small ones kept coming.  A request's ticket is the host's monotonic clock at its
+        first ledger visit (read under the lock: tickets are in the order of the visits);
+        a waiter marks itself with it, and no request is granted while a mark older than
+        its own ticket waits.  The oldest waiter polls every ``poll_s``, the rest back off.
+        """
         delay = self.poll_s
         me = threading.get_ident()
+        ticket: int | None = None
         try:
             while True:
                 with self._tlock:
-                    if not self._contended and self._in_use + nbytes <= self._lease:
+                    if (
+                        not self._contended
+                        and not self._waiting
+                        and self._in_use + nbytes <= self._lease
+                    ):
                         return self._grant(nbytes)
                 with self._ledger():
-                    others, waits = self._scan()
+                    others, waits, oldest = self._scan()
+                    if ticket is None:
+                        ticket = time.monotonic_ns()
+                    first = oldest is None or oldest >= ticket
                     with self._tlock:
                         self._others, self._contended = others, waits
                         need = self._in_use + nbytes
-                        if others + need <= self.capacity or (others == 0 and not self._in_use):
+                        fits = others + need <= self.capacity or (others == 0 and not self._in_use)
+                        if first and fits:
                             self._unmark(me)
                             # While another waits, no more than is in use.
                             self._set_lease(need if waits else max(need, self._lease))
                             return self._grant(nbytes)
                         if me not in self._waiting:  # seen by the holders' watchers
-                            self._waiting[me] = f"{self._me}-{next(_SEQ)}-0"
+                            self._waiting[me] = f"{self._me}-{ticket}-0"
                             with open(self.dir / self._waiting[me], "x"):
                                 pass
-                time.sleep(delay)
-                delay = min(delay * 2, 0.05)
+                time.sleep(self.poll_s if first else delay)
+                delay = self.poll_s if first else min(delay * 2, 0.05)
         finally:
             if me in self._waiting:  # failed or interrupted while waiting
                 with contextlib.suppress(_Closed), self._ledger(), self._tlock:
@@ -343,19 +367,23 @@ class SharedByteBudget:
                 self._set_lease(self._in_use)
 
     def _watch(self) -> None:
-        """While the lease holds more than is in use, look for another process waiting
-        every ``watch_s``; then give the rest back and serve no grant from the lease
-        alone until nobody waits.  Why a thread: every sender thread of the job may be
-        waiting on the server, none acquiring or releasing, while another job waits for
-        bytes this lease holds idle."""
+        """While there is a lease, look for another process waiting every ``watch_s``;
+        then give back what is not in use and serve no grant from the lease alone until
+        nobody waits.  Why a thread: every sender thread of the job may be waiting on the
+        server, none acquiring or releasing, while another job waits for bytes this lease
+        holds idle."""
         failing = False
         while True:
             self._wake.wait(self.watch_s)
             self._wake.clear()
             if self._closed.is_set():
                 return
-            if self._lease <= self._in_use and not self._contended:
-                continue
+            if not self._lease:
+                continue  # nothing to give back, and no grant from the lease alone
+            # Looked for even with the whole lease in use: a job whose threads re-acquire
+            # from the lease as soon as they release never visits the ledger, so without
+            # this a waiter behind it was never seen, and never served (first come, first
+            # served is kept at the ledger only).
             with self._tlock:
                 mine = self._mine()
             waits = False
