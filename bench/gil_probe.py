@@ -6,9 +6,9 @@ scheduler's main thread, whose Python launches every forward.  A slower launch i
 wherever the forward waits on the device mid-launch.  This bench tells the GIL's share of
 that apart from the rest of the host: a main thread runs a fixed piece of pure Python
 (dict updates, as the scheduler's bookkeeping) once alone, then once per pass right after
-handing a pass to a ``DumpWriter`` (``write_batch``, the real one), while a consumer
-thread deletes the pieces as a client would.  On CUDA the pass comes from the GPU through
-the real D2H path; without, the CPU path.
+handing a pass to a ``DumpWriter`` (``write_batch``, the real one), while
+``capture_gpu.Consumer`` deletes the pieces as a client would (and checks their tiling).
+On CUDA the pass comes from the GPU through the real D2H path; without, the CPU path.
 
 The baseline is the same loop alone, in the same run.  One line per (pieces a pass, writer
 threads): ``busy X ms alone, Y ms beside the writer (R.RRx)``, medians.  Output goes to a
@@ -21,18 +21,17 @@ dir of its own under ``--dump-root`` (default /dev/shm), removed at the end.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
+# bench/capture_gpu.py puts the repo's src/ on sys.path; its Consumer plays the client.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
+from capture_gpu import Consumer  # noqa: E402
 
 from hsextract import capture  # noqa: E402
 
@@ -46,28 +45,11 @@ def busy(n: int) -> float:
     return time.perf_counter() - t0
 
 
-def _consume(dump: str, stop: threading.Event) -> None:
-    """Delete finished pieces (never a writer's dot-prefixed temporary) until ``stop``."""
-    while not stop.is_set():
-        for rid in os.listdir(dump):
-            rdir = os.path.join(dump, rid)
-            if not os.path.isdir(rdir):
-                continue
-            for name in os.listdir(rdir):
-                if not name.startswith("."):
-                    try:
-                        os.unlink(os.path.join(rdir, name))
-                    except FileNotFoundError:
-                        pass
-        stop.wait(0.002)
-
-
 def probe(args: argparse.Namespace, pieces: int, threads: int) -> tuple[float, float]:
     """Median busy-loop seconds alone and right after each pass's hand-over."""
-    dump = tempfile.mkdtemp(dir=args.dump_root, prefix="hsextract-gil-probe-")
+    dump = Path(tempfile.mkdtemp(dir=args.dump_root, prefix="hsextract-gil-probe-"))
     writer = capture.DumpWriter(dump, list(range(args.aux)), threads=threads)
-    stop = threading.Event()
-    consumer = threading.Thread(target=_consume, args=(dump, stop), daemon=True)
+    consumer = Consumer(dump, {})
     try:
         dev = "cuda" if torch.cuda.is_available() else "cpu"
         hidden = torch.randn(args.tokens, args.hidden, device=dev).to(torch.bfloat16)
@@ -83,9 +65,11 @@ def probe(args: argparse.Namespace, pieces: int, threads: int) -> tuple[float, f
             writer.write_batch(rids, [0] * pieces, lens, ids, hidden, aux)
             beside.append(busy(args.loop))
         writer.flush()
+        if consumer.errors:
+            raise RuntimeError(f"the pieces did not tile their requests: {consumer.errors[:3]}")
         return statistics.median(alone), statistics.median(beside)
     finally:
-        stop.set()
+        consumer.stop.set()
         if consumer.is_alive():
             consumer.join()
         writer.close()

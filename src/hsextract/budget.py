@@ -194,12 +194,13 @@ class SharedByteBudget:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry.path)
                 continue
-            if parts[3] == "0" and parts[2].isdigit():  # a waiting mark, named by its ticket
+            waiting = parts[3] == "0"  # a waiting mark, named by its ticket
+            if waiting and parts[2].isdigit():
                 ticket = int(parts[2])
                 oldest = ticket if oldest is None else min(oldest, ticket)
             if entry.name not in mine:
                 used += int(parts[3])
-                waits = waits or parts[3] == "0"
+                waits = waits or waiting
         return used, waits, oldest
 
     def _alive(self, owner: str, parts: list[str], fresh: bool) -> bool:
@@ -319,8 +320,9 @@ class SharedByteBudget:
                             self._waiting[me] = f"{self._me}-{ticket}-0"
                             with open(self.dir / self._waiting[me], "x"):
                                 pass
+                # Once the oldest, always: no mark older than its ticket can appear.
                 time.sleep(self.poll_s if first else delay)
-                delay = self.poll_s if first else min(delay * 2, 0.05)
+                delay = min(delay * 2, 0.05)
         finally:
             if me in self._waiting:  # failed or interrupted while waiting
                 with contextlib.suppress(_Closed), self._ledger(), self._tlock:
