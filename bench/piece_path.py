@@ -9,22 +9,27 @@ the pieces closed; ``finish`` is not timed (its sha256 is per chunk, not per req
 
 * ``sunk`` (what the client does): ``assemble(rows_to=ChunkWriter.row_sink(j))`` writes each
   slice of rows into the chunk file from the buffer it was checked in (one read of the rows);
-* ``spliced`` (the baseline, same run, the client before): ``assemble`` checks, then
+* ``spliced`` (a baseline, the client before ``row_sink``): ``assemble`` checks, then
   :func:`splice_rows` reads the rows again to ``splice`` them into the chunk file (what
   ``put_files`` did for codec none before ``row_sink``; it lives only here now, so the
-  ratio keeps a baseline measured in the same run).
+  ratio keeps a baseline measured in the same run);
+* ``unlocked`` (a baseline, the client before its chunk file's write lock): as ``sunk``,
+  with ``ChunkWriter``'s write lock taken out, so sender threads write into the one file
+  at once and wait for its inode lock in the kernel, spinning (``ChunkWriter._pwrite_at``).
 
-The two alternate, ``--rounds`` times each, on fresh pieces and a fresh chunk file under
-a dir of its own in ``--work-root`` (default /dev/shm), removed at the end.  Last line:
-``sunk/spliced requests/s ratio: X.XX`` (medians).
+The modes alternate, ``--rounds`` times each, on fresh pieces and a fresh chunk file under
+a dir of its own in ``--work-root`` (default /dev/shm), removed at the end.  Last lines,
+one per baseline: ``sunk/<baseline> requests/s ratio: X.XX, CPU a request Y.YY`` (medians
+over the thread counts).
 
     python bench/piece_path.py                       # 128-token records, 3 aux layers
-    python bench/piece_path.py --layers 6 --threads 16
+    python bench/piece_path.py --layers 6 --threads 1,16 --baselines unlocked
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import fcntl
 import os
@@ -123,9 +128,13 @@ def one_round(root: Path, a: argparse.Namespace, mode: str, threads: int) -> tup
     )
     sent, mask = ids.tolist(), torch.ones(a.tokens, dtype=torch.uint8)
 
+    if mode == "unlocked":
+        chunk._write_lock = contextlib.nullcontext()  # noqa: SLF001 - the baseline
+    spliced = mode == "spliced"
+
     def request(j: int) -> None:
         rid_dir = dump / f"r{j}"
-        sink = chunk.row_sink(j) if mode == "sunk" else None
+        sink = None if spliced else chunk.row_sink(j)
         try:
             pieces = client.read_pieces(rid_dir, a.tokens, 10.0)
             dump_ = client.assemble(pieces, sent, geo, f"r{j}", rows_to=sink)
@@ -157,6 +166,11 @@ def main() -> None:
     ap.add_argument("--threads", default="1,8", help="sender threads, one setting per line")
     ap.add_argument("--rounds", type=int, default=3, help="per mode and thread count")
     ap.add_argument("--work-root", default="/dev/shm")
+    ap.add_argument(
+        "--baselines",
+        default="spliced,unlocked",
+        help="modes compared with sunk (the client): spliced, unlocked, or both",
+    )
     a = ap.parse_args()
     import torch
 
@@ -170,12 +184,16 @@ def main() -> None:
     # Ours alone: a fresh dir, removed at the end; nothing else under --work-root is touched.
     work = Path(a.work_root) / f"hsextract-piece-path-{os.getuid()}-{os.getpid()}"
     work.mkdir(mode=0o700)
-    ratios = []
+    baselines = [b for b in a.baselines.split(",") if b]
+    if not baselines or set(baselines) - {"spliced", "unlocked"}:
+        ap.error(f"--baselines {a.baselines!r}: one or both of spliced, unlocked")
+    modes = ["sunk", *baselines]
+    ratios: dict[str, list[tuple[float, float]]] = {b: [] for b in baselines}
     try:
         for threads in [int(x) for x in a.threads.split(",")]:
-            got: dict[str, list[tuple[float, float]]] = {"spliced": [], "sunk": []}
+            got: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
             for i in range(a.rounds):
-                for mode in ("spliced", "sunk") if i % 2 == 0 else ("sunk", "spliced"):
+                for mode in modes if i % 2 == 0 else modes[::-1]:
                     root = work / f"{mode}-{threads}-{i}"
                     root.mkdir()
                     got[mode].append(one_round(root, a, mode, threads))
@@ -184,14 +202,19 @@ def main() -> None:
                    for m, v in got.items()}  # fmt: skip
             for mode, (rate, cpu) in med.items():
                 runs = ", ".join(f"{r:.0f}" for r, _ in got[mode])
-                print(f"  {threads:>2} threads, {mode:>7}: {rate:8.1f} requests/s (median of "
+                print(f"  {threads:>2} threads, {mode:>8}: {rate:8.1f} requests/s (median of "
                       f"{runs}), {cpu:.3f} ms CPU a request")  # fmt: skip
-            ratios.append(med["sunk"][0] / med["spliced"][0])
-            print(f"  {threads:>2} threads: sunk/spliced requests/s {ratios[-1]:.2f}, CPU a "
-                  f"request {med['sunk'][1] / med['spliced'][1]:.2f}")  # fmt: skip
+            for b in baselines:
+                ratios[b].append((med["sunk"][0] / med[b][0], med["sunk"][1] / med[b][1]))
+                print(f"  {threads:>2} threads: sunk/{b} requests/s {ratios[b][-1][0]:.2f}, "
+                      f"CPU a request {ratios[b][-1][1]:.2f}")  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"sunk/spliced requests/s ratio: {statistics.median(ratios):.2f}")
+    for b, v in ratios.items():
+        print(
+            f"sunk/{b} requests/s ratio: {statistics.median(r for r, _ in v):.2f}, CPU a "
+            f"request {statistics.median(c for _, c in v):.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -217,6 +217,7 @@ class ChunkWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.removed_stale = remove_stale_temps(self.path)
         self._sync_lock = threading.Lock()  # records are written from several threads
+        self._write_lock = threading.Lock()  # see _pwrite_at
         self._unsynced = 0  # bytes written since the last background sync started
         self._sync_closed = False
         self._sync_pool: ThreadPoolExecutor | None = None
@@ -258,11 +259,16 @@ class ChunkWriter:
     def _pwrite_at(self, pos: int, data: memoryview) -> None:
         # In slices: one pwrite of a whole record (hundreds of MB) runs at a fraction of the
         # page-cache speed that a few-MB pwrite gets (measured: bench/pack.py).
+        # One pwrite at a time per file: a buffered write holds the file's inode lock, and
+        # a second writer spins on it (the kernel's optimistic rwsem spinning) rather than
+        # sleep, so sender threads writing into one chunk burned ~2x the CPU a byte for no
+        # more throughput (issue 40; bench/piece_path.py).  This lock's waiters sleep.
         data = memoryview(data).cast("B")
         nbytes = len(data)
-        while len(data):
-            n = os.pwrite(self.fd, data[:_WRITE_SLICE], pos)
-            data, pos = data[n:], pos + n
+        with self._write_lock:
+            while len(data):
+                n = os.pwrite(self.fd, data[:_WRITE_SLICE], pos)
+                data, pos = data[n:], pos + n
         self._wrote(nbytes)
 
     def _wrote(self, nbytes: int) -> None:
