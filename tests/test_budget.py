@@ -751,3 +751,58 @@ def test_waiting_threads_of_one_job_leave_one_mark_in_the_ledger(tmp_path: Path)
         for t in tokens:
             b.release(t)
         b.close()
+
+
+def test_a_lone_request_past_the_capacity_lends_no_room_to_the_next(tmp_path: Path):
+    """A request larger than the whole budget is granted when nothing else is held, its
+    lease past the capacity; once it is released, the request waiting behind it (900 of
+    1,000) is served, and a third one (500) waits: the old lease's 1,500 bytes are no
+    room to serve it from (before, both went: 1,400 bytes held on a budget of 1,000)."""
+    import threading
+
+    from hsextract.budget import SharedByteBudget
+
+    b = SharedByteBudget(tmp_path, 1000)
+    tokens: list[str] = []
+    threads = []
+    try:
+        big = b.acquire(1500)
+        threads.append(threading.Thread(target=lambda: tokens.append(b.acquire(900))))
+        threads[-1].start()
+        assert _until(lambda: len(b._queue) == 1), "the 900 never waited behind the 1,500"
+        b.release(big)
+        threads[-1].join(60)
+        assert len(tokens) == 1, "the 900 was not served once the 1,500 went"
+        threads.append(threading.Thread(target=lambda: tokens.append(b.acquire(500))))
+        threads[-1].start()
+        assert _until(lambda: len(b._queue) == 1 or len(tokens) == 2)
+        assert len(tokens) == 1, "500 more bytes granted past the capacity"
+        b.release(tokens[0])
+        threads[-1].join(60)
+        assert len(tokens) == 2
+        assert _until(lambda: b.reserved() <= 1000), "the lease stayed past the budget"
+    finally:
+        for t in tokens:
+            b.release(t)
+        for t in threads:
+            t.join(60)
+        b.close()
+
+
+def test_a_job_waiting_for_a_lease_keeps_the_dump_dir_in_use(tmp_path: Path) -> None:
+    """``unused`` (what a cleanup of the dump dir asks first) is no while another live
+    job waits for bytes, a mark in the ledger and no lease yet: it is about to send."""
+    from hsextract.budget import SharedByteBudget
+
+    b = SharedByteBudget(tmp_path, 1000)
+    try:
+        with b.unused() as free:
+            assert free
+        mark = _another_job_waits(tmp_path)
+        with b.unused() as free:
+            assert not free, "a waiting job's dump dir counted as unused"
+        mark.unlink()
+        with b.unused() as free:
+            assert free
+    finally:
+        b.close()

@@ -196,6 +196,12 @@ def test_stale_recognises_exactly_the_names_the_writers_use(tmp_path):
         names = {p.name for p in (tmp_path / budget.LEDGER_DIR).iterdir()} - {"lock"}
         (lease,) = names  # the process's lease, <pid>-<start>-<seq>-<bytes>
         assert stale._DOT_DIRS[budget.LEDGER_DIR].fullmatch(lease) and lease.endswith("-10")
+        with ledger._tlock:  # a waiting mark, as a waiting request's ledger visit makes it
+            ledger._set_mark(12345, 67)
+        marks = {p.name for p in (tmp_path / budget.LEDGER_DIR).iterdir()} - names - {"lock"}
+        (mark,) = marks
+        assert stale._DOT_DIRS[budget.LEDGER_DIR].fullmatch(mark) and mark.endswith("x67-0")
+        assert budget._marks_in([mark]) == [(12345, 67)]
     finally:
         ledger.close()
     turn = budget.SendingTurn(tmp_path, 1)

@@ -127,6 +127,7 @@ class _Waiter:
     nbytes: int
     ticket: int
     event: threading.Event = dataclasses.field(default_factory=threading.Event)
+    granted: bool = False
 
 
 class _Closed(RuntimeError):
@@ -336,7 +337,7 @@ class SharedByteBudget:
         with self._tlock:
             if (
                 not self._queue
-                and self._in_use + nbytes <= self._lease
+                and self._in_use + nbytes <= min(self._lease, self.capacity)
                 and not self._claims(time.monotonic_ns())
             ):
                 return self._grant(nbytes)
@@ -347,7 +348,8 @@ class SharedByteBudget:
                 w.event.clear()  # before looking: a release after the look wakes the wait
                 with self._tlock:
                     head = self._queue[0] is w
-                    if head and self._in_use + nbytes <= self._lease and not self._claims(w.ticket):
+                    room = min(self._lease, self.capacity)  # a lone request's lease may pass it
+                    if head and self._in_use + nbytes <= room and not self._claims(w.ticket):
                         return self._grant_head(w)
                 if head:
                     token = self._grant_at_ledger(w)
@@ -357,12 +359,13 @@ class SharedByteBudget:
                 # (woken when they become the head; the timeout is only a safety net).
                 w.event.wait(self.poll_s if head else 1.0)
         finally:
-            with self._tlock:
-                was_head = bool(self._queue) and self._queue[0] is w
-                with contextlib.suppress(ValueError):
-                    self._queue.remove(w)  # failed or interrupted while waiting
-                if was_head:
-                    self._next_head()
+            if not w.granted:  # failed or interrupted while waiting
+                with self._tlock:
+                    was_head = bool(self._queue) and self._queue[0] is w
+                    with contextlib.suppress(ValueError):
+                        self._queue.remove(w)
+                    if was_head:
+                        self._next_head()
 
     def _claims(self, ticket: int) -> int:
         """Bytes other processes' waiting marks older than ``ticket`` and ``patience_s``
@@ -401,17 +404,17 @@ class SharedByteBudget:
     def _grant_head(self, w: _Waiter) -> str:
         """Grant the queue's head ``w`` (under ``_tlock``) and wake the next one."""
         self._queue.popleft()
-        token = self._grant(w.nbytes)
         self._next_head()
-        return token
+        w.granted = True
+        return self._grant(w.nbytes)
 
     def _next_head(self) -> None:
-        """The queue's head changed (under ``_tlock``): the new one looks now; with none,
-        the process no longer waits."""
+        """The queue's head left (under ``_tlock``): its mark goes (the next head marks the
+        process again with its own ticket and bytes if it must wait), and the next head
+        looks now."""
+        self._set_mark(None)
         if self._queue:
             self._queue[0].event.set()
-        else:
-            self._set_mark(None)
 
     def _set_mark(self, ticket: int | None, nbytes: int = 0) -> None:
         """This process's waiting mark, ``<pid>-<start>-<ticket>x<bytes>-0``: its head's
@@ -420,8 +423,12 @@ class SharedByteBudget:
         if name == self._mark:
             return
         if self._mark is not None:
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 os.unlink(self.dir / self._mark)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # other jobs see a waiter that is gone: they wait less
+                log.warning("%s: removing waiting mark %s failed (%s)", self.dir, self._mark, exc)
         if name is not None:
             with open(self.dir / name, "x"):
                 pass
@@ -449,8 +456,8 @@ class SharedByteBudget:
             give = self._contended and (not waiter or self._claims(self._queue[0].ticket))
         if give:
             self._wake.set()  # the watcher gives it back: no wait here for the ledger
-        elif idle and not waiter:
-            self._shrink(wait=False)
+        elif idle and (not waiter or self._lease > self.capacity):
+            self._shrink(wait=False)  # a lone request's lease past the capacity included
 
     def _shrink(self, wait: bool = True) -> None:
         """Give back what the lease holds beyond what is in use.  Without ``wait`` (a
@@ -484,18 +491,19 @@ class SharedByteBudget:
                 continue  # nothing to give back
             with self._tlock:
                 mine = self._mine()
-            marks: list[tuple[int, int]] = []
+            names: list[str] = []
             with contextlib.suppress(OSError):
-                for entry in os.scandir(self.dir):
-                    if entry.name.endswith("-0") and entry.name not in mine:
-                        marks += _marks_in([entry.name])
+                names = [e.name for e in os.scandir(self.dir) if e.name.endswith("-0")]
             with self._tlock:
+                mine |= self._mine()  # a mark this process made during the scan is its own
+                marks = _marks_in([n for n in names if n not in mine])
                 self._marks, self._contended = marks, bool(marks)
                 ticket = self._queue[0].ticket if self._queue else time.monotonic_ns()
                 give = (
                     (marks and not self._queue)
                     or self._claims(ticket)
                     or not (self._in_use or self._queue)
+                    or self._lease > max(self.capacity, self._in_use)  # a lone request's, gone
                 )
             if give:
                 try:
@@ -513,7 +521,8 @@ class SharedByteBudget:
 
     @contextlib.contextmanager
     def unused(self) -> Iterator[bool]:
-        """Hold the ledger's lock; yield whether no live process holds a lease.
+        """Hold the ledger's lock; yield whether no live process holds a lease or waits
+        for one.
 
         Why: a chunk job takes its lease before it sends a request and keeps it until
         that request's pieces are read, so no live lease means no live job needs any piece
@@ -522,7 +531,10 @@ class SharedByteBudget:
         remove.
         """
         with self._ledger():
-            yield self._used() == 0
+            others, marks = self._scan(fresh=True)
+            with self._tlock:
+                mine = self._lease or self._mark is not None
+            yield not (others or marks or mine)
 
     def close(self) -> None:
         """Give the lease back (nothing is in use by then) and stop the watcher."""

@@ -392,7 +392,9 @@ ABANDONED_DIR = ".abandoned"  # capture.ABANDONED_DIR: one empty file per abando
 #: The dot dirs of a dump dir and the names inside them.
 _DOT_DIRS = {
     ABANDONED_DIR: _RID,
-    LEDGER_DIR: re.compile(r"lock|\d+-(\d+|None)-\d+-\d+"),  # budget.SharedByteBudget
+    # budget.SharedByteBudget: a lease <pid>-<start>-<seq>-<bytes>, a waiting mark
+    # <pid>-<start>-<ticket>x<bytes>-0
+    LEDGER_DIR: re.compile(r"lock|\d+-(\d+|None)-\d+(x\d+)?-\d+"),
     TURNS_DIR: re.compile(r"turn-\d+"),  # budget.SendingTurn
 }
 
