@@ -98,3 +98,24 @@ def test_a_failed_merge_keeps_the_finished_run_readable(demo_run, tmp_path):
     fresh = _run_dir(fresh_yaml, wd)
     assert _merged(run) == _merged(fresh)
     assert _manifest_shas(run) == _manifest_shas(fresh)
+
+
+def test_published_files_are_no_older_than_any_staged_one(tmp_path: Path) -> None:
+    """Snakemake fails a job whose output is older than one of its inputs ("clock skew").
+    A published file is its staged one (a hard link), so it kept the merge's time of
+    writing it, and train.jsonl, written first, was older than rejects.jsonl (CI, under
+    load).  Staged files a second apart here; each published file no older than all."""
+    import os
+
+    from hsextract.records import publish
+
+    staged = [tmp_path / "stage" / n for n in MERGED]
+    staged[0].parent.mkdir()
+    for i, p in enumerate(staged):
+        p.write_text(f"{i}\n")
+        os.utime(p, ns=(10**18 + i * 10**9, 10**18 + i * 10**9))
+    published = [tmp_path / n for n in MERGED]
+    publish(staged, published)
+    assert [p.read_text() for p in published] == ["0\n", "1\n", "2\n"]
+    newest_input = max(p.stat().st_mtime_ns for p in staged)
+    assert all(p.stat().st_mtime_ns >= newest_input for p in published)

@@ -1370,6 +1370,11 @@ def publish(staged: Sequence[Path], published: Sequence[Path]) -> None:
     job's output but this one's, which runs only after a merge succeeded.  A filesystem
     without hard links gets a copy (same temp name, fsync'ed, renamed).  Temp files a
     killed publish left go first.
+
+    Every file ends with one modification time, now: a published file is its staged one
+    (the same inode), so it kept the merge's time of writing it, and Snakemake fails a job
+    whose output is older than any of its inputs ("clock skew"): train.jsonl, written
+    first, was older than rejects.jsonl, written a millisecond later (seen in CI).
     """
     for src, dst in zip(staged, published, strict=True):
         src, dst = Path(src), Path(dst)
@@ -1395,6 +1400,9 @@ def publish(staged: Sequence[Path], published: Sequence[Path]) -> None:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
+    now = time.time_ns()
+    for dst in published:
+        os.utime(dst, ns=(now, now))
 
 
 def _histogram(lengths: np.ndarray, max_seq_len: int) -> list[dict[str, int]]:
