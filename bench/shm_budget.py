@@ -103,7 +103,7 @@ def run(
 
 
 def scenario(
-    name: str, make: Callable[[int], list], plan: list[tuple[int, int, float]], a
+    make: Callable[[int], list], plan: list[tuple[int, int, float]], a
 ) -> dict[int, tuple[int, float]]:
     budgets = make(max(i for i, _, _ in plan) + 1)
     try:
@@ -141,7 +141,7 @@ def main() -> None:
             ("budget", lambda n: [SharedByteBudget(work / "binding", cap) for _ in range(n)]),
         ):
             (work / "binding").mkdir(exist_ok=True)
-            got = scenario(name, make, plan, a)
+            got = scenario(make, plan, a)
             rates[name] = sum(n for n, _ in got.values()) / a.seconds
             print(f"  binding, {name:>9}: {rates[name]:8.1f} grants/s (ideal "
                   f"{cap / req / a.hold_s:.0f}), longest wait "
@@ -149,7 +149,7 @@ def main() -> None:
         (work / "starve").mkdir()
         plan = [(i % 4, 100, 0.002) for i in range(12)] + [(4, 600, 0.002)]
         got = scenario(
-            "starve", lambda n: [SharedByteBudget(work / "starve", 1000) for _ in range(n)],
+            lambda n: [SharedByteBudget(work / "starve", 1000) for _ in range(n)],
             plan, a,
         )  # fmt: skip
         small = [got[i] for i in range(4)]

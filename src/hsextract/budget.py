@@ -211,7 +211,6 @@ class SharedByteBudget:
         #: one waiter, under one mark named by the head's ticket.
         self._queue: collections.deque[_Waiter] = collections.deque()
         self._mark: str | None = None  # this process's waiting mark in the ledger
-        self._contended = False  # another process waits (its mark seen)
         #: Other processes' waiting marks at the last look, (ticket, bytes waited for).
         self._marks: list[tuple[int, int]] = []
         self._closed = threading.Event()
@@ -223,7 +222,7 @@ class SharedByteBudget:
         with self._tlock:
             mine = self._mine()
         used = 0
-        marks: list[tuple[int, int]] = []
+        names: list[str] = []
         alive: dict[str, bool] = {}
         for entry in os.scandir(self.dir):
             parts = entry.name.split("-")
@@ -239,8 +238,8 @@ class SharedByteBudget:
             if entry.name in mine:
                 continue
             used += int(parts[3])
-            marks += _marks_in([entry.name])
-        return used, marks
+            names.append(entry.name)
+        return used, _marks_in(names)
 
     def _alive(self, owner: str, parts: list[str], fresh: bool) -> bool:
         """Does the lease's owner run?  ``fresh``: read /proc whatever was seen."""
@@ -335,11 +334,7 @@ class SharedByteBudget:
         as first built, ~4 (issue 40).
         """
         with self._tlock:
-            if (
-                not self._queue
-                and self._in_use + nbytes <= min(self._lease, self.capacity)
-                and not self._claims(time.monotonic_ns())
-            ):
+            if not self._queue and self._lease_fits(nbytes, time.monotonic_ns()):
                 return self._grant(nbytes)
             w = _Waiter(nbytes, time.monotonic_ns())
             self._queue.append(w)
@@ -348,8 +343,7 @@ class SharedByteBudget:
                 w.event.clear()  # before looking: a release after the look wakes the wait
                 with self._tlock:
                     head = self._queue[0] is w
-                    room = min(self._lease, self.capacity)  # a lone request's lease may pass it
-                    if head and self._in_use + nbytes <= room and not self._claims(w.ticket):
+                    if head and self._lease_fits(nbytes, w.ticket):
                         return self._grant_head(w)
                 if head:
                     token = self._grant_at_ledger(w)
@@ -366,6 +360,18 @@ class SharedByteBudget:
                         self._queue.remove(w)
                     if was_head:
                         self._next_head()
+
+    @property
+    def _contended(self) -> bool:
+        """Another process waits (its mark seen at the last look)."""
+        return bool(self._marks)
+
+    def _lease_fits(self, nbytes: int, ticket: int) -> bool:
+        """Can a request of ``ticket`` take ``nbytes`` from the lease alone (under
+        ``_tlock``)?  Never past the capacity (a lone request's lease may be larger), nor
+        into a due claim of another process's older waiter."""
+        room = min(self._lease, self.capacity)
+        return self._in_use + nbytes <= room and not self._claims(ticket)
 
     def _claims(self, ticket: int) -> int:
         """Bytes other processes' waiting marks older than ``ticket`` and ``patience_s``
@@ -388,7 +394,7 @@ class SharedByteBudget:
         with self._ledger():
             others, marks = self._scan()
             with self._tlock:
-                self._others, self._marks, self._contended = others, marks, bool(marks)
+                self._others, self._marks = others, marks
                 claims = self._claims(w.ticket)
                 need = self._in_use + w.nbytes
                 fits = others + claims + need <= self.capacity or (
@@ -497,7 +503,7 @@ class SharedByteBudget:
             with self._tlock:
                 mine |= self._mine()  # a mark this process made during the scan is its own
                 marks = _marks_in([n for n in names if n not in mine])
-                self._marks, self._contended = marks, bool(marks)
+                self._marks = marks
                 ticket = self._queue[0].ticket if self._queue else time.monotonic_ns()
                 give = (
                     (marks and not self._queue)
