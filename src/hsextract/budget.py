@@ -127,7 +127,12 @@ class _Waiter:
     nbytes: int
     ticket: int
     event: threading.Event = dataclasses.field(default_factory=threading.Event)
-    granted: bool = False
+    #: Its reservation, once granted (by whichever thread served it).
+    token: str | None = None
+
+    @property
+    def granted(self) -> bool:
+        return self.token is not None
 
 
 class _Closed(RuntimeError):
@@ -342,24 +347,27 @@ class SharedByteBudget:
             while True:
                 w.event.clear()  # before looking: a release after the look wakes the wait
                 with self._tlock:
+                    if w.token is None and self._queue[0] is w:
+                        self._serve()
+                    if w.token is not None:
+                        return w.token
                     head = self._queue[0] is w
-                    if head and self._lease_fits(nbytes, w.ticket):
-                        return self._grant_head(w)
-                if head:
-                    token = self._grant_at_ledger(w)
-                    if token is not None:
-                        return token
-                # The head polls for what other processes free; the rest wait their turn
-                # (woken when they become the head; the timeout is only a safety net).
+                if head and self._grant_at_ledger(w):
+                    return w.token  # type: ignore[return-value]  # granted at the ledger
+                # The head polls for what other processes free; the rest are served in
+                # turn by whoever frees or gets bytes (the timeout is only a safety net).
                 w.event.wait(self.poll_s if head else 1.0)
-        finally:
-            if not w.granted:  # failed or interrupted while waiting
-                with self._tlock:
-                    was_head = bool(self._queue) and self._queue[0] is w
-                    with contextlib.suppress(ValueError):
-                        self._queue.remove(w)
-                    if was_head:
-                        self._next_head()
+        except BaseException:
+            with self._tlock:
+                token, w.token = w.token, None  # granted meanwhile: given back below
+                was_head = bool(self._queue) and self._queue[0] is w
+                with contextlib.suppress(ValueError):
+                    self._queue.remove(w)
+                if was_head:
+                    self._next_head()
+            if token is not None:
+                self.release(token)
+            raise
 
     @property
     def _contended(self) -> bool:
@@ -381,38 +389,64 @@ class SharedByteBudget:
         due = min(ticket, time.monotonic_ns() - int(self.patience_s * 1e9))
         return sum(need for t, need in self._marks if t < due)
 
-    def _grant_at_ledger(self, w: _Waiter) -> str | None:
+    def _grant_at_ledger(self, w: _Waiter) -> bool:
         """The queue's head at the ledger: grow the lease and grant if the bytes fit beside
         what every other process holds and what each older waiter of theirs waits for
         (its claim); else mark the process as waiting, with its ticket and claim (seen by
-        the holders' watchers, which give back what they do not use).
+        the holders' watchers, which give back what they do not use).  Whether ``w`` was
+        granted.
 
         Why claims rather than a strict turn: a younger request still goes first where
         it leaves an older one all the room it waits for (nothing is held idle waiting
         for a turn to pass from process to process at polling pace), and none takes
-        bytes an older one waits for, so a large request is not starved by small ones."""
+        bytes an older one waits for, so a large request is not starved by small ones.
+
+        Why the lease grows by every waiter queued here, not by the head's bytes alone:
+        while the head visits, every new request of the process queues behind it, and each
+        would then visit in turn, a thread wake-up apart; a job ramping up 64 requests
+        waited ~45 ms a request (bench/client_ceiling.py, a budget that never binds) and
+        the server's queue ran dry with the client's window full (issue 40)."""
         with self._ledger():
             others, marks = self._scan()
             with self._tlock:
                 self._others, self._marks = others, marks
+                if w.granted:  # by a release while this thread came to the ledger
+                    return True
                 claims = self._claims(w.ticket)
                 need = self._in_use + w.nbytes
                 fits = others + claims + need <= self.capacity or (
                     others == 0 and not self._in_use and not claims
                 )
-                if fits:
-                    # While another waits, no more than is in use.
-                    self._set_lease(need if marks else max(need, self._lease))
-                    return self._grant_head(w)
-                self._set_mark(w.ticket, w.nbytes)
-        return None
+                if not fits:
+                    self._set_mark(w.ticket, w.nbytes)
+                    return False
+                if marks:  # while another waits, no more than is in use
+                    self._set_lease(need)
+                else:
+                    room = self.capacity - others - claims
+                    queued = self._in_use + sum(q.nbytes for q in self._queue)
+                    self._set_lease(max(need, self._lease, min(queued, room)))
+                self._serve(head=True)  # ``w``: a lone request may be past the capacity
+                return True
 
-    def _grant_head(self, w: _Waiter) -> str:
-        """Grant the queue's head ``w`` (under ``_tlock``) and wake the next one."""
-        self._queue.popleft()
-        self._next_head()
-        w.granted = True
-        return self._grant(w.nbytes)
+    def _serve(self, head: bool = False) -> bool:
+        """Grant queued waiters from the lease, oldest first, while the head fits (under
+        ``_tlock``); ``head``: the first whatever it finds (granted at the ledger).
+        Whether any was.  Why here, by the thread that freed or got the bytes: a waiter
+        woken to serve itself runs only once it gets the GIL, milliseconds behind its
+        predecessor with hundreds of sender threads."""
+        served = False
+        while self._queue and (
+            head or self._lease_fits(self._queue[0].nbytes, self._queue[0].ticket)
+        ):
+            head = False
+            w = self._queue.popleft()
+            w.token = self._grant(w.nbytes)
+            w.event.set()
+            served = True
+        if served:
+            self._next_head()
+        return served
 
     def _next_head(self) -> None:
         """The queue's head left (under ``_tlock``): its mark goes (the next head marks the
@@ -455,9 +489,11 @@ class SharedByteBudget:
             if nbytes is None:
                 return
             self._in_use -= nbytes
-            idle, waiter = not self._in_use, bool(self._queue)
-            if waiter:  # the oldest waiter looks again now, not at its next poll
+            # The oldest waiters, if the freed bytes fit them; else the head looks at the
+            # ledger now (other processes may have freed room), not at its next poll.
+            if not self._serve() and self._queue:
                 self._queue[0].event.set()
+            idle, waiter = not self._in_use, bool(self._queue)
             # Bytes another process waits for, and no waiter here may take them: given back.
             give = self._contended and (not waiter or self._claims(self._queue[0].ticket))
         if give:
