@@ -97,8 +97,13 @@ SlurmdPidFile={d}/slurmd.%n.pid
 SlurmctldLogFile={d}/log/slurmctld.log
 SlurmdLogFile={d}/log/slurmd.%n.log
 GresTypes=gpu
-# No cgroups in a container: processes are tracked by parentage, tasks not confined.
-ProctrackType=proctrack/linuxproc
+# No cgroups in a container: processes are tracked by process group, tasks not confined.
+# Not by parentage (linuxproc): a process whose parent died first is lost to it, never
+# killed.  Seen in CI: scancel's SIGTERM hit the allocation's Snakemake inside its error
+# handler, whose signal handler then waited forever on the lock the handler's own frame
+# held (snakemake's JobScheduler.exit_gracefully); its batch shell died, and the SIGKILL
+# after KillWait missed it, so its server lived on.  A cluster's cgroup kills the lot.
+ProctrackType=proctrack/pgid
 TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
@@ -371,6 +376,32 @@ def test_a_cancelled_allocation_redoes_only_its_unfinished_chunks(
     assert list(submitted(out).values()) == ["group_extract_extract_chunk"], out[-3000:]
     assert manifest_shas(rd) == manifest_shas(demo_run["run_dir"])
     assert_nothing_left(workdir, rd)
+
+
+def test_a_cancelled_allocation_leaves_no_process_that_outlived_its_shell(slurm_cluster, tmp_path):
+    """The test cluster kills a cancelled allocation's every process, as a cluster's
+    cgroup does: one that ignores the SIGTERM (as a Snakemake stuck in its own signal
+    handler did, its server kept alive by it) and whose batch shell died first is killed
+    after KillWait, not left running because its parent is gone."""
+    pidfile = tmp_path / "child.pid"
+    child = (
+        f"{sys.executable} -c 'import os, signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f'open("{pidfile}.tmp", "w").write(str(os.getpid())); '
+        f'os.rename("{pidfile}.tmp", "{pidfile}"); time.sleep(600)\''
+    )
+    job = _slurm("sbatch", "--parsable", "--nodelist=n1", "--cpus-per-task=1", "--mem=100",
+                 f"--output={tmp_path}/slurm-%j.log", "--wrap", f"{child} & wait")  # fmt: skip
+    job_id = job.stdout.strip().split(";")[0]
+    pid = None
+    try:
+        pid = int(_wait(lambda: pidfile.exists() and pidfile.read_text(), 120, "the child"))
+        _slurm("scancel", job_id)
+        _wait(lambda: not _alive(pid), 120, f"the SIGTERM-ignoring process {pid} to be killed")
+    finally:
+        _slurm("scancel", job_id, check=False)
+        if pid is not None and _alive(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_an_allocations_first_server_start_clears_a_cancelled_ones_pieces(tmp_path, monkeypatch):
