@@ -41,7 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -65,12 +65,16 @@ class Cell:
     dp: int
     tokens: str  # race.parse_tokens
     need_s: float
+    #: ``--set`` overrides of hsextract's config (``client.tokens_in_flight=21000``): an
+    #: experiment on the window, its row told apart by its spec.
+    sets: tuple[str, ...] = ()
 
     def spec(self, seed: int) -> str:
         """What the cell measured: a row is resumed only under the same spec."""
+        sets = f" set={','.join(self.sets)}" if self.sets else ""
         return (
             f"{self.model} {self.lengths} aux={self.aux or 'default'} dp={self.dp} "
-            f"tokens={self.tokens} seed={seed}"
+            f"tokens={self.tokens} seed={seed}{sets}"
         )
 
 
@@ -175,7 +179,37 @@ def cell_config(cell: Cell, cwork: Path, data: Path) -> tuple[Path, list[int]]:
         cfg_path = race.dp2_config(cwork, cfg_path)
     elif cell.dp != 1:
         raise SystemExit(f"dp {cell.dp}: only dp 2 on one GPU is set up (race.dp2_config)")
+    apply_sets(cfg_path, cell.sets)
     return cfg_path, aux if aux is not None else default_aux_layers(n_layers)
+
+
+def apply_sets(cfg_path: Path, sets: tuple[str, ...]) -> None:
+    """Each ``section.key=value`` (a YAML value) into the config at ``cfg_path``; a key or
+    value the config's schema refuses ends the bench before any server starts."""
+    import yaml
+
+    from hsextract.config import read_config
+
+    if not sets:
+        return
+    raw = yaml.safe_load(cfg_path.read_text())
+    for item in sets:
+        key, eq, value = item.partition("=")
+        *parents, leaf = key.split(".")
+        node = raw
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not eq or not isinstance(node, dict):
+            raise SystemExit(f"--set {item!r}: not SECTION.KEY=VALUE, SECTION in {cfg_path}")
+        node[leaf] = yaml.safe_load(value)
+    tmp = cfg_path.with_name(f".{cfg_path.name}.set.tmp")  # beside it: its relative paths
+    tmp.write_text(yaml.safe_dump(raw))
+    try:
+        read_config(tmp)
+    except Exception as exc:  # the config's own message names the key
+        tmp.unlink()
+        raise SystemExit(f"--set {', '.join(sets)}: {exc}") from None
+    tmp.replace(cfg_path)
 
 
 def _per_s(n: float, seconds: float | None) -> float | None:
@@ -399,6 +433,9 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT"),
                     help="where rate_table.csv/.json are copied (default $OUT)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override hsextract's config in every cell run "
+                         "(client.tokens_in_flight=21000); part of the row's spec")  # fmt: skip
     args = ap.parse_args()
     if args.render:
         print(render(committed_csvs()))
@@ -429,7 +466,7 @@ def main() -> None:
         subprocess.run([sys.executable, "-c", "import matplotlib.pyplot"], check=False)
     try:
         for name in names:
-            cell = cells[name]
+            cell = replace(cells[name], sets=tuple(args.set))
             if name in have:
                 if have[name] != cell.spec(args.seed):
                     raise SystemExit(

@@ -159,3 +159,40 @@ def test_the_reclaim_shim_runs_the_sitecustomize_it_shadows(tmp_path):
     env["PYTHONPATH"] = f"{nxt}:{shim}"  # the other one first: it alone runs, as Python does
     subprocess.run([sys.executable, "-c", "pass"], env=env, check=True, timeout=60)
     assert seen.read_text() == "next\n"
+
+
+def test_set_overrides_reach_the_cells_config_its_window_and_its_spec(tmp_path: Path):
+    """``--set`` (an experiment on the window): the value is in the config the cell runs,
+    the window both sides are sized from follows it, and the row's spec tells it apart (a
+    row measured without it is not resumed as one with it); a key or value the schema
+    refuses ends the bench."""
+    import yaml
+
+    from hsextract.config import read_config
+    from hsextract.window import choose
+
+    rt = _bench()
+    cfg = tmp_path / "config.yaml"
+    shutil.copy(REPO / "configs" / "qwen3-8b-1xh200.yaml", cfg)
+    before = choose(read_config(cfg), None)
+    rt.apply_sets(cfg, ("client.tokens_in_flight=21000", "client.requests_in_flight=163"))
+    assert yaml.safe_load(cfg.read_text())["client"]["tokens_in_flight"] == 21000
+    win = choose(read_config(cfg), None)
+    assert (win.tokens, win.requests) == (21000, 163) != (before.tokens, before.requests)
+    assert win.max_running == 163 * read_config(cfg).client.sending_jobs
+
+    cell = rt.CELLS["chat-7b-5aux"]
+    varied = rt.replace(cell, sets=("client.tokens_in_flight=21000",))
+    assert varied.spec(0) == cell.spec(0) + " set=client.tokens_in_flight=21000"
+
+    with pytest.raises(SystemExit, match="no_such_key"):
+        rt.apply_sets(cfg, ("client.no_such_key=1",))
+    with pytest.raises(SystemExit, match="tokens_in_flight"):
+        rt.apply_sets(cfg, ("client.tokens_in_flight=-5",))
+    with pytest.raises(SystemExit, match="nosection is not a setting"):
+        rt.apply_sets(cfg, ("nosection=1",))
+    with pytest.raises(SystemExit, match="not SECTION.KEY=VALUE"):
+        rt.apply_sets(cfg, ("client.tokens_in_flight",))
+    # A refused value left the config as it was.
+    assert choose(read_config(cfg), None) == win
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
