@@ -130,10 +130,6 @@ class _Waiter:
     #: Its reservation, once granted (by whichever thread served it).
     token: str | None = None
 
-    @property
-    def granted(self) -> bool:
-        return self.token is not None
-
 
 class _Closed(RuntimeError):
     """A ledger visit after :meth:`SharedByteBudget.close` (a late release's give-back)."""
@@ -162,12 +158,11 @@ class SharedByteBudget:
     use (its high-water mark), so a job in its steady state, each request's bytes freed
     and taken again, never touches the ledger.  It is given back whole when the process
     has nothing in use, and down to what is in use while another process waits: a waiting
-    process marks itself with a lease of 0 bytes, which a holder's watcher thread sees
-    within ``watch_s``; while any process waits, every acquire and release goes through
-    the ledger, as before leases.  A lease of a process that died (a killed chunk job) no
-    longer counts; it is removed by the next reader.  One request alone may exceed the
-    budget when nothing else is reserved (the preflight refuses a budget smaller than the
-    longest request).
+    process marks itself with a lease of 0 bytes (its oldest waiter's ticket and bytes,
+    :meth:`acquire`), which a holder's watcher thread sees within ``watch_s``.  A lease of
+    a process that died (a killed chunk job) no longer counts; it is removed by the next
+    reader.  One request alone may exceed the budget when nothing else is reserved (the
+    preflight refuses a budget smaller than the longest request).
 
     Two locks: ``_llock`` takes this process's threads to the ledger one at a time (an
     ``flock`` is shared by the threads of the process that holds it), ``_tlock`` guards
@@ -211,9 +206,9 @@ class SharedByteBudget:
         self._in_use = 0  # of the lease, handed to this process's threads
         self._held: dict[str, int] = {}
         self._others = 0  # other processes' bytes at the last visit (for ``peak``)
-        #: This process's waiting requests, oldest first: only the head is ever served
-        #: (in memory from the lease, or at the ledger), so the process asks the ledger as
-        #: one waiter, under one mark named by the head's ticket.
+        #: This process's waiting requests, served oldest first (from the lease, or by the
+        #: head at the ledger), so the process asks the ledger as one waiter, under one
+        #: mark named by the head's ticket.
         self._queue: collections.deque[_Waiter] = collections.deque()
         self._mark: str | None = None  # this process's waiting mark in the ledger
         #: Other processes' waiting marks at the last look, (ticket, bytes waited for).
@@ -323,8 +318,9 @@ class SharedByteBudget:
         """Wait until ``nbytes`` fit; returns the reservation to hand to :meth:`release`.
 
         In order, with a bound on how long another process's request waits: in the
-        process, waiters queue in memory and only the oldest is served (woken by a
-        release, polling the ledger every ``poll_s`` for room other processes free).
+        process, waiters queue in memory and are served oldest first, by the release that
+        frees their bytes or by the head's ledger visit (it polls every ``poll_s`` for room
+        other processes free).
         Across processes, the queue's head marks the process as waiting with its ticket
         (the host's monotonic clock when it queued) and the bytes it waits for; once a
         mark is ``patience_s`` old, those bytes are its claim: no younger request anywhere
@@ -410,7 +406,7 @@ class SharedByteBudget:
             others, marks = self._scan()
             with self._tlock:
                 self._others, self._marks = others, marks
-                if w.granted:  # by a release while this thread came to the ledger
+                if w.token is not None:  # by a release while this thread came to the ledger
                     return True
                 claims = self._claims(w.ticket)
                 need = self._in_use + w.nbytes
