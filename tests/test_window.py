@@ -63,22 +63,32 @@ def _merge_stats(path: Path, stats: dict) -> Path:
 
 
 def test_short_records_get_a_larger_request_window_at_the_same_token_target(tmp_path):
-    """Chat turns (~130 tokens) and documents (~2,000) under one token target: the short
-    records get ~15x the requests, so both queue the same tokens; the server's running
-    limit follows (requests x sending jobs)."""
+    """Chat turns (~130 tokens) and documents (~2,000) under one target of two extend
+    passes: the short records get ~15x the requests, counted in the median; the token
+    window holds those requests at the mean length (else it binds first and a turn holds
+    fewer requests than the bare server it is compared with), within 2-4 passes.  The
+    server's running limit follows (requests x sending jobs)."""
     path = _project(tmp_path)
     short = _merge_stats(path, _stats(130, 110, 500))
     chat = for_run(read_config(path))
     assert merged_lengths(short) == Lengths(130.0, 110.0, 500.0, 1000, str(short))
     short.write_text(json.dumps(_stats(2000, 1900, 7000)))
     docs = for_run(read_config(path))
-    assert chat.tokens == docs.tokens == 2 * 8192  # two extend passes a turn
     assert chat.requests == -(-16384 // 110) == 149  # the median, below the mean
     assert docs.requests == -(-16384 // 1900) == 9
+    assert chat.tokens == 149 * 130 and docs.tokens == 9 * 2000  # the requests at the mean
+    assert chat.worst_case_requests(130) == chat.requests  # the tokens do not bind first
     assert chat.max_running == 149 * 4 and docs.max_running == 9 * 4
-    # A mix of chat turns and long documents: the turns' count (the median), not the mean's.
+    # A mix of chat turns and long documents: the turns' count (the median), not the
+    # mean's; the documents held back at four passes, not the mean's 127 x 2,000 tokens.
     mix = choose(read_config(path), Lengths(2000, 130, 7000, 1000, "mix"))
-    assert mix.requests == -(-16384 // 130)
+    assert mix.requests == -(-16384 // 130) and mix.tokens == 4 * 8192
+    # The median above the mean: the requests counted in the mean, two passes of tokens.
+    uniform = choose(read_config(path), Lengths(512, 600, 900, 1000, "uniform"))
+    assert uniform.requests == 16384 // 512 and uniform.tokens == 2 * 8192
+    # Before the merge has counted the records: two passes of the assumed mean.
+    fresh = choose(read_config(path), None)
+    assert fresh.tokens == 2 * 8192 and fresh.requests == 16384 // 512
 
 
 def test_a_set_value_wins_and_auto_reaches_the_launch(tmp_path):
@@ -122,8 +132,9 @@ def test_plan_says_what_it_chose_and_from_which_stats(tmp_path):
     )  # fmt: skip
     said = [ln for ln in proc.stdout.splitlines() if ln.startswith("in flight per sending turn")]
     assert said == [
-        "in flight per sending turn: 16,384 tokens (client.tokens_in_flight auto: 2 x "
-        "8,192-token passes), 149 requests (client.requests_in_flight auto); "
+        "in flight per sending turn: 19,370 tokens (client.tokens_in_flight auto: the "
+        "requests at the mean length, within 2-4 x 8,192-token passes), 149 requests "
+        "(client.requests_in_flight auto); "
         "server.max_running_requests 596 (auto: requests x client.sending_jobs); from p50 "
         f"110, mean 130 tokens, p99 500, 11,538 records, {stats}"
     ], proc.stdout + proc.stderr

@@ -99,7 +99,7 @@ class ClientConfig:
 
     #: requests in flight per sending turn (per dp worker); auto = client.tokens_in_flight over the merged records' median length (the mean where lower), within [2, 256] (hsextract.window); a sending job also takes the share of turns no job holds (client._Window)
     requests_in_flight: int | str = "auto"
-    #: tokens in flight per sending turn (per dp worker); auto = 2 x server.chunked_prefill_size (two extend passes queued per turn) while client.requests_in_flight is auto too, no token limit when that is set; a record longer than it goes alone (hsextract.window)
+    #: tokens in flight per sending turn (per dp worker); auto = client.requests_in_flight's records at the merged mean length, within 2-4 x server.chunked_prefill_size (2 before the merge), while client.requests_in_flight is auto too; no token limit when that is set; a record longer than it goes alone (hsextract.window)
     tokens_in_flight: int | str = "auto"
     #: chunk jobs sending at once
     sending_jobs: int = 4

@@ -163,7 +163,7 @@ DECLARED: tuple[Setting | Group, ...] = (
     Group("client"),
     S("client.requests_in_flight", ("integer", "string"), "requests in flight per sending turn (per dp worker); auto = client.tokens_in_flight over the merged records' median length (the mean where lower), within [2, 256] (hsextract.window); a sending job also takes the share of turns no job holds (client._Window)", default="auto", sample=4,
       schema=_AUTO),
-    S("client.tokens_in_flight", ("integer", "string"), "tokens in flight per sending turn (per dp worker); auto = 2 x server.chunked_prefill_size (two extend passes queued per turn) while client.requests_in_flight is auto too, no token limit when that is set; a record longer than it goes alone (hsextract.window)", default="auto", sample=4096,
+    S("client.tokens_in_flight", ("integer", "string"), "tokens in flight per sending turn (per dp worker); auto = client.requests_in_flight's records at the merged mean length, within 2-4 x server.chunked_prefill_size (2 before the merge), while client.requests_in_flight is auto too; no token limit when that is set; a record longer than it goes alone (hsextract.window)", default="auto", sample=4096,
       schema=_AUTO),
     S("client.sending_jobs", "integer", "chunk jobs sending at once", default=4, sample=2, schema=_POS),
     S("client.request_timeout_s", "number", "one request's timeout", default=600, sample=60, schema=_POS_NUM),

@@ -9,11 +9,15 @@ requests a sending turn that keep an 8B server's queue full with ~550-token reco
 8,192-token extend pass packs ~15) leave it empty with ~130-token chat turns: on the H200,
 4 turns x 16 requests gave SGLang ~1,455-token passes, its queue empty in 1,027 of 1,031
 passes, 0.749 of the bare server.  What keeps a server fed is tokens queued, not requests:
-so a turn keeps ``TURN_PASSES`` extend passes of tokens in flight (``tokens``), and as many
-requests as that many tokens of a typical record make (``requests``: the median length, or
-the mean where lower; within bounds).  Short records then get many requests, long ones
-few, for the same queue; a mix of both gets the short ones' count, the token window
-holding the long ones back.
+so a turn keeps as many requests in flight as ``TURN_PASSES`` extend passes take of a
+typical record (``requests``: the median length, or the mean where lower; within bounds),
+and a token window (``tokens``) that holds those requests at the mean length, within
+``TURN_PASSES``-``MAX_TURN_PASSES`` passes.  Short records then get many requests, long
+ones few, for the same queue.  The token window is counted in the mean because a window of
+``TURN_PASSES`` passes bound before the request window wherever the median is below the
+mean: a turn of chat turns (median 101, mean 129) held ~127 of its 163 requests, fewer
+than the bare server it is compared with keeps in flight.  A mix of short and long records
+gets the short ones' count, the token window's cap holding the long ones back.
 
 Why the server's limit follows (``max_running_requests``): past it a request only waits in
 SGLang's queue with its timeout running, and the client never sends more than it
@@ -51,6 +55,11 @@ from hsextract.errors import ConfigError
 #: queue ``TURN_PASSES x sending_jobs`` passes, which outlasts the client's per-request
 #: time (a response's pieces read, checked and written) that starved the server in issue 40.
 TURN_PASSES = 2
+#: The most a derived token window grows, in passes, to hold its request window of
+#: mean-length records (``choose``): a skewed mix (median below the mean) gets the
+#: requests of its median and the tokens of its mean, where a bimodal one (chat turns and
+#: documents) would otherwise let the documents fill the queue many times over.
+MAX_TURN_PASSES = 4
 #: Bounds of a derived request window (per turn, per DP worker): at least two, so a
 #: response's handling overlaps the next request even for records longer than the token
 #: window; at most 256, a chunk job's threads (one per request in flight) and connections.
@@ -133,9 +142,15 @@ class InFlight:
             running += ": requests x client.sending_jobs"
         if self.tokens is None:
             tokens = "no token limit (client.tokens_in_flight auto, client.requests_in_flight set)"
-        elif "client.tokens_in_flight" in self.derived:
+        elif "client.tokens_in_flight" in self.derived and self.lengths is None:
             tokens = (
                 f"{self.tokens:,} tokens (client.tokens_in_flight auto: {TURN_PASSES} x "
+                f"{self.pass_tokens:,}-token passes)"
+            )
+        elif "client.tokens_in_flight" in self.derived:
+            tokens = (
+                f"{self.tokens:,} tokens (client.tokens_in_flight auto: the requests at the "
+                f"mean length, within {TURN_PASSES}-{MAX_TURN_PASSES} x "
                 f"{self.pass_tokens:,}-token passes)"
             )
         else:
@@ -184,6 +199,14 @@ def choose(cfg: Config, lengths: Lengths | None) -> InFlight:
         target = tokens if tokens is not None else TURN_PASSES * pass_tokens
         requests = min(MAX_REQUESTS, max(MIN_REQUESTS, math.ceil(target / typical)))
         derived.append("client.requests_in_flight")
+        if set_tokens is None and lengths is not None:
+            # The request window was counted in the median; the tokens those requests
+            # carry on average are the mean's.  A token window of only TURN_PASSES passes
+            # then binds before the request window does, and the turn holds fewer requests
+            # than the bare server it is compared with (issue 40: chat turns, median 101,
+            # mean 129, held ~127 of 163).
+            held = math.ceil(requests * lengths.mean)
+            tokens = min(MAX_TURN_PASSES * pass_tokens, max(tokens, held))
     running = _setting(cfg.server.max_running_requests, "server.max_running_requests")
     if running is None:
         running = requests * cfg.client.sending_jobs
