@@ -106,13 +106,16 @@ def _round_trip(raw: bytes, esize: int) -> tuple[bytes, list[int]]:
 def test_planes_split_by_shifts_are_the_transposed_bytes(esize, data):
     """The planes a frame is split into (by shifts of whole elements, issue 40) are byte
     ``p`` of every element in memory order, as the transposed copy they replace made:
-    so files written before and after are the same bytes."""
+    so files written before and after are the same bytes.  They never share the input's
+    memory: a plane stored raw waits with its record's frames while the thread reads the
+    next frame into the same buffer (``chunks._Rows.read``)."""
     n = data.draw(st.integers(0, 300))
     raw = data.draw(st.binary(min_size=n * esize, max_size=n * esize))
     u = np.frombuffer(raw, dtype=np.uint8)
     got = storage.split_planes(u, esize)
     assert got.shape == (esize, n) and got.dtype == np.uint8
     assert np.array_equal(got, u.reshape(-1, esize).T)
+    assert not np.shares_memory(got, u)
 
 
 def test_noise_plane_is_stored_and_exponent_plane_compressed():

@@ -15,9 +15,11 @@ pages few, so that final fsync, in the tail of the run, has little left to write
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
+import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -96,22 +98,55 @@ def remove_stale_temps(path: Path) -> list[str]:
     return removed
 
 
+#: Buffers pieces are read into for an encoder (``_Rows.read``), kept from record to
+#: record.  Why kept: a fresh 4 MB array a frame is fresh pages, and their faults cost
+#: more than the read (issue 40, codec lossless on chat-length records: ``preadv`` 0.36 ms
+#: a MB into new arrays, ~0.1 into a kept one, and the planes' copy ~2x faster after it).
+_READ_BUFFERS: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
+#: At most this many records encoded at once per process, each holding a buffer: the
+#: encoding is CPU-bound, so more than the cores would only keep more buffers.
+_ENCODE_SLOTS = threading.BoundedSemaphore(max(2, os.cpu_count() or 2))
+
+
+@contextlib.contextmanager
+def _read_buffer() -> Iterator[list[np.ndarray]]:
+    """A read buffer for one record's encoding, in a one-element list (``_Rows.read``
+    grows it for a frame wider than it), given back after."""
+    with _ENCODE_SLOTS:
+        try:
+            held = [_READ_BUFFERS.get_nowait()]
+        except queue.Empty:
+            held = [np.empty(storage.FRAME_BYTES, dtype=np.uint8)]
+        try:
+            yield held
+        finally:
+            _READ_BUFFERS.put(held[0])
+
+
 class _Rows:
     """Consecutive row bytes of one tensor of a record, read a frame at a time: from memory
-    (``put``) or from byte ranges of open dump pieces (``put_files``)."""
+    (``put``) or from byte ranges of open dump pieces (``put_files``) into ``buf``.  What
+    ``read`` returns from pieces lives in that buffer until the next ``read``: the encoders
+    copy out of it (planes, fp8 values) before they read again."""
 
     def __init__(
-        self, mem: memoryview | None = None, ranges: Sequence[tuple[int, int, int, str]] = ()
+        self,
+        mem: memoryview | None = None,
+        ranges: Sequence[tuple[int, int, int, str]] = (),
+        buf: list[np.ndarray] | None = None,
     ) -> None:
         self.mem, self.pos = mem, 0
         self.ranges = [list(r) for r in ranges]
+        self.buf = buf if buf is not None else [np.empty(0, dtype=np.uint8)]
 
     def read(self, n: int) -> memoryview | np.ndarray:
         if self.mem is not None:
             out = self.mem[self.pos : self.pos + n]
             self.pos += n
             return out
-        buf = np.empty(n, dtype=np.uint8)
+        if self.buf[0].size < n:
+            self.buf[0] = np.empty(n, dtype=np.uint8)
+        buf = self.buf[0][:n]
         view, got = memoryview(buf), 0
         while got < n:
             fd, at, left, name = self.ranges[0]
@@ -414,7 +449,8 @@ class ChunkWriter:
                 )
         self._put_small(j, input_ids, loss_mask)
         if not rows_sunk:
-            self._put_rows(j, _Rows(ranges=hidden), _Rows(ranges=aux))
+            with _read_buffer() as buf:  # one: hidden's frames are encoded before aux's
+                self._put_rows(j, _Rows(ranges=hidden, buf=buf), _Rows(ranges=aux, buf=buf))
         self.written[j] = True
 
     def _put_rows(self, j: int, hidden: _Rows, aux: _Rows) -> None:

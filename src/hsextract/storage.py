@@ -129,7 +129,7 @@ def split_planes(u: np.ndarray, esize: int) -> np.ndarray:
     of a frame's encoding, issue 40; bench/codec.py prints both), the same bytes.  The
     transposed copy stays for big-endian hosts, where shifts order the planes by value."""
     if esize == 1:
-        return u[None]
+        return u[None].copy()  # a plane kept raw must outlive ``u`` (chunks._Rows.read)
     if sys.byteorder != "little":
         return u.reshape(-1, esize).T.copy()
     word = u.view(_UINT[esize])
