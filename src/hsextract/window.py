@@ -50,8 +50,9 @@ from hsextract.config import run_dir
 from hsextract.config_types import Config
 from hsextract.errors import ConfigError
 
-#: A sending turn's token window, in the server's extend passes (chunked_prefill_size) per
-#: DP worker.  Two: while one pass runs, the next is queued whole, and the turns together
+#: What a sending turn's request window is counted to fill, and the least its derived token
+#: window holds, in the server's extend passes (chunked_prefill_size) per DP worker.  Two:
+#: while one pass runs, the next is queued whole, and the turns together
 #: queue ``TURN_PASSES x sending_jobs`` passes, which outlasts the client's per-request
 #: time (a response's pieces read, checked and written) that starved the server in issue 40.
 TURN_PASSES = 2
