@@ -46,6 +46,8 @@ from hsextract import storage
 from hsextract.chunks import ChunkReader, ChunkWriter, ManifestDataset
 
 REPO = Path(__file__).resolve().parents[1]
+#: The lossless codec's zstd parameters before issue 40's smaller hash table.
+PREV_ZSTD = dict(storage.ZSTD_PARAMS, hash_log=10, chain_log=10)
 
 
 def demo_states(tokens: int) -> torch.Tensor:
@@ -184,6 +186,16 @@ def sizes_and_speed(name: str, x: torch.Tensor, tmp: Path) -> dict:
     # Speeds, one thread, 4 MiB frames (the writer's).
     encoded = [storage.compress_frame(f, 2) for f in frames]
     out["comp"] = per_core(lambda f: storage.compress_frame(f, 2), frames, nb)
+    # The hash table before issue 40 (2^10 entries), same frames, same run.
+    storage._local.cctx = storage.zstd_compressor(PREV_ZSTD)
+    try:
+        stored = sum(sum(abs(n) for n in storage.compress_frame(f, 2)[1]) for f in frames)
+        out["lossless_prev"] = nb / stored
+        out["comp_prev"] = per_core(lambda f: storage.compress_frame(f, 2), frames, nb)
+    finally:
+        del storage._local.cctx  # this thread's next frame gets ZSTD_PARAMS again
+    stored = sum(sum(abs(n) for n in e[1]) for e in encoded)
+    out["lossless_frames"] = nb / stored
     # The planes split (issue 40), against the transposed copy it replaced, same run.
     out["split"] = per_core(
         lambda f: storage.split_planes(np.frombuffer(f, np.uint8), 2), frames, nb
@@ -220,6 +232,12 @@ def sizes_and_speed(name: str, x: torch.Tensor, tmp: Path) -> dict:
         f"  one core, GB/s of states: ours compress {out['comp']:.2f}, decompress "
         f"{out['decomp']:.2f} | blosc2 compress {out['blosc2_comp']:.2f}, decompress "
         f"{out['blosc2_decomp']:.2f} | zstd-1 whole compress {out['zstd1_comp']:.2f}"
+    )
+    print(
+        f"  one core, zstd's hash table 2^{storage.ZSTD_PARAMS['hash_log']} (ours) vs "
+        f"2^{PREV_ZSTD['hash_log']} (before issue 40): compress {out['comp']:.2f} vs "
+        f"{out['comp_prev']:.2f} GB/s ({out['comp'] / out['comp_prev']:.2f}x), frames "
+        f"{out['lossless_frames']:.4f} vs {out['lossless_prev']:.4f}x smaller"
     )
     print(
         f"  one core, bytes split into planes: by shifts {out['split']:.2f} GB/s vs one "

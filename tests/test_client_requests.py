@@ -104,6 +104,58 @@ def test_rows_go_to_the_chunk_file_as_they_are_checked_and_a_bad_one_never_count
     assert not (tmp_path / "bad.safetensors").exists()
 
 
+@pytest.mark.parametrize("codec", ["lossless", "fp8"])
+def test_with_a_codec_the_encoder_checks_the_rows_it_reads(tmp_path, monkeypatch, codec):
+    """With a codec the values are checked on the encoder's read (issue 40: one read of
+    the rows, not two): the file and the statistics are those of the check in
+    ``assemble``, whatever the framing (the record's every SAMPLE_EVERY-th row); a NaN in
+    the last frame of the aux rows refuses the record, which is never counted as written."""
+    from hsextract import storage
+    from hsextract.chunks import ChunkFileError, ChunkWriter
+
+    dumps = tmp_path / "dump"
+    dumps.mkdir(mode=0o700)
+    good = {n: _piece(dumps, f"r{n}", n) for n in (50, 21)}
+    bad = _piece(dumps, "r-bad", 50, bad_row=49)
+
+    def writer(name: str, lengths: list[int]) -> ChunkWriter:
+        kw = {"hidden_size": H, "n_aux": len(LAYERS), "dtype": torch.bfloat16, "codec": codec}
+        return ChunkWriter(tmp_path / name, lengths, metadata={"m": "x"}, **kw)
+
+    def stats(d: client.Dump) -> dict:
+        return d.stats.report()["layers"]
+
+    # Frames of 3 aux rows (7 of hidden): rows 8, 16, ... fall inside frames, not at r0.
+    monkeypatch.setattr(storage, "FRAME_BYTES", 3 * 2 * H * len(LAYERS))
+    late, ref = writer("late.safetensors", [21, 50]), writer("ref.safetensors", [21, 50])
+    for j, n in ((1, 50), (0, 21)):
+        with client.assemble(client.read_pieces(dumps / f"r{n}", n, 10), good[n], GEO, "w") as d:
+            ids, hidden, aux = d.tensors()
+            want = stats(d)
+        pieces = client.read_pieces(dumps / f"r{n}", n, 10)
+        with client.assemble(pieces, good[n], GEO, "w", check_values=False) as d:
+            assert not d.checked and all(v["values"] == 0 for v in stats(d).values())
+            mask = torch.ones(n, dtype=torch.uint8)
+            late.put_files(j, d.ids, mask, d.hidden, d.aux, d.dtype, check=d.check_rows)
+            got = stats(d)
+        ref.put(j, ids, mask, hidden, aux)
+        for name, layer in want.items():  # the same rows, summed in another order
+            assert got[name]["values"] == layer["values"] > 0
+            assert got[name]["max_abs"] == layer["max_abs"]
+            assert got[name]["rms"] == pytest.approx(layer["rms"], rel=1e-5)
+    assert late.finish() == ref.finish()
+
+    w = writer("bad.safetensors", [50, 21])
+    with client.assemble(
+        client.read_pieces(dumps / "r-bad", 50, 10), bad, GEO, "record 'b'", check_values=False
+    ) as d:
+        with pytest.raises(ExtractionError, match=r"record 'b': non-finite .*aux rows 48-49"):
+            w.put_files(0, d.ids, torch.ones(50), d.hidden, d.aux, d.dtype, check=d.check_rows)
+    with pytest.raises(ChunkFileError, match=r"records \[0, 1\] never written"):
+        w.finish()
+    assert not list(tmp_path.glob("*bad.safetensors*"))
+
+
 def test_a_request_dir_is_removed_whatever_it_holds(tmp_path):
     plain, odd = tmp_path / "a-00000000", tmp_path / "b-00000000"
     _piece(tmp_path, plain.name, 4)

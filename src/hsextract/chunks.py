@@ -49,6 +49,10 @@ PENDING_BYTES = 1 << 30
 #: less than that reaches its final fsync with all of it dirty (a 1.7 GB chunk: seconds at
 #: the end of the run, on the H200 box).
 SYNC_EVERY_BYTES = 256 << 20
+#: What an encoder shows each frame's rows before encoding them: ``(tensor, r0, rows)``,
+#: tensor 0 the hidden rows and 1 the aux rows, ``rows`` [n, cols] from record row ``r0``;
+#: it refuses them by raising (the client's ``Dump.check_rows``).
+RowCheck = Callable[[int, int, torch.Tensor], None]
 _ST_DTYPES = {
     torch.float32: "F32",
     torch.bfloat16: "BF16",
@@ -423,11 +427,16 @@ class ChunkWriter:
         dtype: torch.dtype,
         *,
         rows_sunk: bool = False,
+        check: RowCheck | None = None,
     ) -> None:
         """Like ``put``, but the hidden and aux rows are ``(fd, offset, nbytes, name)`` byte
         ranges of open files, in row order (``name`` is for errors).
 
-        With a codec the ranges are read a frame at a time and encoded.  Uncompressed, the
+        With a codec the ranges are read a frame at a time and encoded; ``check`` (the
+        client's ``Dump.check_rows``) sees each frame's rows before they are encoded and
+        may refuse them by raising, so the client checks the values it would otherwise
+        read once more for that (the record is then never counted as written; the chunk
+        fails).  Uncompressed, the
         rows must have come through ``row_sink(j)`` already (``rows_sunk=True``): the ranges
         only give the record's size, and the call is refused unless the sink took exactly
         its bytes.  Why no second way: the client reads every row once to check it anyway,
@@ -447,13 +456,15 @@ class ChunkWriter:
                     f"record {j}: its row sink took {got} bytes of hidden and aux rows, "
                     f"not {list(nbytes)}"
                 )
+        if check is not None and rows_sunk:
+            raise ChunkFileError(f"record {j}: rows that went through row_sink were checked")
         self._put_small(j, input_ids, loss_mask)
         if not rows_sunk:
             with _read_buffer() as buf:  # one: hidden's frames are encoded before aux's
-                self._put_rows(j, _Rows(ranges=hidden, buf=buf), _Rows(ranges=aux, buf=buf))
+                self._put_rows(j, _Rows(ranges=hidden, buf=buf), _Rows(ranges=aux, buf=buf), check)
         self.written[j] = True
 
-    def _put_rows(self, j: int, hidden: _Rows, aux: _Rows) -> None:
+    def _put_rows(self, j: int, hidden: _Rows, aux: _Rows, check: RowCheck | None = None) -> None:
         n, start = self.lengths[j], int(self.offsets[j])
         if self.codec == "none":
             for name, rows, rb in (
@@ -462,11 +473,13 @@ class ChunkWriter:
             ):
                 self._pwrite(name, rb * start, rows.read(n * rb))
         elif self.codec == "fp8":
-            self._put_fp8(start, n, hidden, aux)
+            self._put_fp8(start, n, hidden, aux, check)
         else:
-            self._put_lossless(j, n, hidden, aux)
+            self._put_lossless(j, n, hidden, aux, check)
 
-    def _put_fp8(self, start: int, n: int, hidden: _Rows, aux: _Rows) -> None:
+    def _put_fp8(
+        self, start: int, n: int, hidden: _Rows, aux: _Rows, check: RowCheck | None
+    ) -> None:
         for tensor, (rows, layers) in enumerate(((hidden, 1), (aux, self.k))):
             if not layers:
                 continue
@@ -477,11 +490,15 @@ class ChunkWriter:
             for r0 in range(0, n, step):
                 nr = min(step, n - r0)
                 x = torch.frombuffer(rows.read(nr * rb), dtype=self.dtype).view(nr, layers, self.h)
+                if check is not None:
+                    check(tensor, r0, x.view(nr, -1))
                 q, scale = storage.fp8_quantize(x, self.fp8_error, layer0=0 if tensor else self.k)
                 self._pwrite(name, (start + r0) * layers * self.h, _as_bytes(q.view(torch.uint8)))
                 self._pwrite(scales, 4 * (start + r0) * layers, _as_bytes(scale))
 
-    def _put_lossless(self, j: int, n: int, hidden: _Rows, aux: _Rows) -> None:
+    def _put_lossless(
+        self, j: int, n: int, hidden: _Rows, aux: _Rows, check: RowCheck | None
+    ) -> None:
         frame = int(self.frame_start[j])
         for tensor, rows in enumerate((hidden, aux)):
             rb, step = self.row_bytes[tensor], self.rows_per_frame[tensor]
@@ -489,7 +506,10 @@ class ChunkWriter:
                 continue
             for r0 in range(0, n, step):
                 nr = min(step, n - r0)
-                parts, lengths = storage.compress_frame(rows.read(nr * rb), self.esize)
+                data = rows.read(nr * rb)
+                if check is not None:
+                    check(tensor, r0, torch.frombuffer(data, dtype=self.dtype).view(nr, -1))
+                parts, lengths = storage.compress_frame(data, self.esize)
                 self.blob.add(j, [frame, j, tensor, r0, nr], parts, lengths)
                 frame += 1
         self.blob.record_done(j)

@@ -34,14 +34,18 @@ FRAME_BYTES = 4 << 20
 KEEP_IF_BELOW = 0.98
 #: Bytes of a plane compressed first to tell noise from data (see compress_frame).
 PROBE_BYTES = 64 << 10
-#: zstd's fast strategy with a small hash table: on bf16 exponent planes it compresses as
-#: well as level 1 (within 0.1 bit per byte, both near the plane's order-0 entropy) at
-#: ~1.5x its speed (bench/codec.py prints both).  Frames are self-describing, so a reader
-#: needs none of this.
+#: zstd's fast strategy with the smallest hash table it takes (2^6 entries): on bf16
+#: exponent planes it compresses as well as level 1 (within 0.1 bit per byte, both near
+#: the plane's order-0 entropy: the gain is the Huffman coding of literals, matches are
+#: rare) at ~2x its speed.  Why so small: a bigger table only finds more short, false
+#: matches, each a mispredicted branch; 2^10 entries cost 1.45-1.8x the time of 2^6 for
+#: the same size (issue 40, trained and random-weight states; bench/codec.py prints both).
+#: ``window_log`` stays 17: below it zstd cuts blocks smaller than 128 KiB, ~3x slower.
+#: Frames are self-describing, so a reader needs none of this.
 ZSTD_PARAMS = {
     "window_log": 17,
-    "hash_log": 10,
-    "chain_log": 10,
+    "hash_log": 6,
+    "chain_log": 6,
     "search_log": 1,
     "min_match": 7,
     "target_length": 0,
@@ -52,19 +56,24 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _local = threading.local()  # zstd contexts are not thread-safe: one per thread
 
 
+def zstd_compressor(params: dict = ZSTD_PARAMS):
+    """A zstd compressor for planes, from ``params`` (:data:`ZSTD_PARAMS`'s keys)."""
+    import zstandard
+
+    params = dict(params)
+    params["strategy"] = getattr(zstandard, "STRATEGY_" + params["strategy"].upper())
+    # The frame checksum (xxhash64) makes a damaged plane fail to decode instead of
+    # decoding to wrong numbers; it costs ~8 % of compression time (issue 40).
+    params["write_checksum"] = True
+    return zstandard.ZstdCompressor(
+        compression_params=zstandard.ZstdCompressionParameters(**params)
+    )
+
+
 def _compressor():
     c = getattr(_local, "cctx", None)
     if c is None:
-        import zstandard
-
-        params = dict(ZSTD_PARAMS)
-        params["strategy"] = getattr(zstandard, "STRATEGY_" + params["strategy"].upper())
-        # The frame checksum (xxhash64) makes a damaged plane fail to decode instead of
-        # decoding to wrong numbers; it costs ~1 % of compression time.
-        params["write_checksum"] = True
-        c = _local.cctx = zstandard.ZstdCompressor(
-            compression_params=zstandard.ZstdCompressionParameters(**params)
-        )
+        c = _local.cctx = zstd_compressor()
     return c
 
 
