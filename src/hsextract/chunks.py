@@ -434,9 +434,9 @@ class ChunkWriter:
 
         With a codec the ranges are read a frame at a time and encoded; ``check`` (the
         client's ``Dump.check_rows``) sees each frame's rows before they are encoded and
-        may refuse them by raising, so the client checks the values it would otherwise
-        read once more for that (the record is then never counted as written; the chunk
-        fails).  Uncompressed, the
+        may refuse them by raising: the client checks the values in the encoder's buffer
+        instead of reading every row once more to check it (a refused record is never
+        counted as written; the chunk fails).  Uncompressed, the
         rows must have come through ``row_sink(j)`` already (``rows_sunk=True``): the ranges
         only give the record's size, and the call is refused unless the sink took exactly
         its bytes.  Why no second way: the client reads every row once to check it anyway,
@@ -457,7 +457,10 @@ class ChunkWriter:
                     f"not {list(nbytes)}"
                 )
         if check is not None and rows_sunk:
-            raise ChunkFileError(f"record {j}: rows that went through row_sink were checked")
+            raise ChunkFileError(
+                f"record {j}: check= is for rows the encoder reads; rows that went through "
+                f"row_sink({j}) were checked as they were read"
+            )
         self._put_small(j, input_ids, loss_mask)
         if not rows_sunk:
             with _read_buffer() as buf:  # one: hidden's frames are encoded before aux's
