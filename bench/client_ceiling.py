@@ -765,10 +765,13 @@ def _collect_profiles(pool: ProcessPoolExecutor, n: int, where: Path) -> list[Pa
 
 
 #: C calls that release the GIL while they run (syscalls, hashing, socket I/O, waits, torch
-#: kernels): their own time is not the GIL's (``gil_held_s``).
+#: kernels, zstd): their own time is not the GIL's (``gil_held_s``).  Not separable: numpy's
+#: ufuncs (``storage.split_planes``' shifts) release it too, but cProfile counts their time
+#: in the Python function that calls them, so the estimate keeps it.
 _GIL_FREE = re.compile(
     r"posix\.(splice|preadv|pwrite|close|listdir|unlink|rmdir|open|fstat|read|write|fdatasync"
     r"|fsync)\b|'update' of '_hashlib|'acquire' of '_thread|_socket\.socket|time\.sleep"
+    r"|'(compress|decompress)' of 'zstandard"
     r"|select\.poll|method 'poll'|torch\._C\._linalg|torch\.isfinite"
     r"|'(sum|amax|abs|square|item|float)' of 'torch"
 )

@@ -75,7 +75,11 @@ def test_the_gil_estimate_is_withheld_where_the_profile_has_negative_own_times(t
     py = ("client.py", 10, "one")
     sha = ("~", 0, "<method 'update' of '_hashlib.HASH' objects>")
     start = ("threading.py", 973, "start")
-    sound = pstats_file("a.pstats", {py: (5, 5, 0.25, 1.0, {}), sha: (5, 5, 0.75, 0.75, {})})
+    zstd = ("~", 0, "<method 'compress' of 'zstandard.backend_c.ZstdCompressor' objects>")
+    sound = pstats_file(
+        "a.pstats",
+        {py: (5, 5, 0.25, 1.0, {}), sha: (5, 5, 0.75, 0.75, {}), zstd: (3, 3, 0.5, 0.5, {})},
+    )
     broken = pstats_file("b.pstats", {py: (5, 5, 0.25, 1.0, {}), start: (1, 1, -3.0, 9.0, {})})
     assert ceiling.gil_held_s([sound]) == 0.25
     assert ceiling.gil_held_s([broken]) is None
