@@ -291,15 +291,12 @@ class Dump:
         40: ~1.5 ms of CPU a 5.5 MB request).  A failure raises, and fails the chunk as a
         failed check in ``assemble`` does (a non-finite value is never retried).  The
         sampled rows are the record's every ``SAMPLE_EVERY``-th, whatever the framing."""
-        if not _all_finite(rows):
+        if not _values_ok(rows, tensor, self.stats, self.n_aux, skip=-r0 % SAMPLE_EVERY):
             raise ExtractionError(
                 f"{self.where}: non-finite values in the dumped hidden states "
                 f"({'aux' if tensor else 'hidden'} rows {r0}-{r0 + rows.shape[0] - 1}; "
                 "permanent, not retried)"
             )
-        if self.stats is not None:
-            k = self.n_aux
-            self.stats.add_rows(0 if tensor else k, rows[-r0 % SAMPLE_EVERY :], k if tensor else 1)
 
     def close(self) -> None:
         close_pieces(self.pieces)
@@ -477,10 +474,8 @@ def _piece_finite(
                     view = mem[: n * row_bytes]
                     _pread_full(fd, view, offset + r0 * row_bytes)
                     t = buf[: n * row_bytes].view(dtype).view(n, cols)
-                    if not _all_finite(t):
+                    if not _values_ok(t, tensor, stats, k):
                         return False
-                    if stats is not None:
-                        stats.add_rows(0 if aux else k, t, k if aux else 1)
                     if rows_to is not None:
                         rows_to(tensor, at[tensor] + r0 * row_bytes, view)
         finally:
@@ -496,6 +491,19 @@ def one_thread_per_op() -> None:
     of it ("libgomp: Thread creation failed"), and a 128-core node would ask for ~16k
     threads a job."""
     torch.set_num_threads(1)
+
+
+def _values_ok(
+    rows: torch.Tensor, tensor: int, stats: LayerStats | None, k: int, skip: int = 0
+) -> bool:
+    """Are ``rows`` (of the hidden rows, ``tensor`` 0, or the aux rows, 1) all finite?  If
+    so, their sampled statistics go to ``stats``, sampling from row ``skip`` on (so that
+    the record's every ``SAMPLE_EVERY``-th row is taken whatever slice these rows are)."""
+    if not _all_finite(rows):
+        return False
+    if stats is not None:
+        stats.add_rows(k if tensor == 0 else 0, rows[skip:], 1 if tensor == 0 else k)
+    return True
 
 
 def _all_finite(t: torch.Tensor) -> bool:
