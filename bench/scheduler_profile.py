@@ -9,6 +9,13 @@ copier).  Shares are of the main thread's samples; a thread's "active" share is 
 samples over the main thread's (py-spy leaves out idle threads by default).
 
     python3 bench/scheduler_profile.py sched1.txt sched2.txt   # bare, then hsextract
+
+A chunk job's GIL (py-spy ``--gil``: only the thread holding it is sampled): is one job
+bound by its GIL (issue 40: ~59 requests/s a sending job on the chat cell, whatever its
+window)?  The share of samples that found the GIL held, of the rate x 12 s the script
+records, and what held it:
+
+    python3 bench/scheduler_profile.py --gil 50 job1.txt job2.txt   # recorded at 50 Hz
 """
 
 from __future__ import annotations
@@ -75,11 +82,60 @@ def summarise(lines: list[str]) -> Summary:
     return s
 
 
+#: Seconds ``h200/profile_scheduler.sh`` records each process (py-spy ``-d``).
+RECORD_S = 12
+
+
+@dataclass
+class GilSummary:
+    """A ``--gil`` profile: the share of the samples it could take that found the GIL held,
+    and the frames that held it, each as a share of those held samples."""
+
+    held: float = 0.0
+    held_samples: int = 0
+    own: list[tuple[str, float]] = field(default_factory=list)
+    within: list[tuple[str, float]] = field(default_factory=list)
+
+
+def gil_summary(
+    lines: list[str], rate: float, seconds: float = RECORD_S, top: int = 12
+) -> GilSummary:
+    """``own``: the innermost frame (where the GIL holder was); ``within``: every frame of
+    hsextract's own code on the stack (a function and what it calls)."""
+    own: collections.Counter[str] = collections.Counter()
+    within: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in lines:
+        stack, _, count = line.rstrip("\n").rpartition(" ")
+        if not stack:
+            continue
+        n = int(count)
+        total += n
+        frames = [f for f in stack.split(";")[1:] if f]
+        if frames:
+            own[_name(frames[-1])] += n
+        for name in {_name(f) for f in frames if "hsextract/" in f}:
+            within[name] += n
+    share = [(k, c / total) for k, c in own.most_common(top)] if total else []
+    inner = [(k, c / total) for k, c in within.most_common(top)] if total else []
+    return GilSummary(total / (rate * seconds), total, share, inner)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("profiles", nargs="+", type=Path, help="py-spy raw files (sched<k>.txt)")
+    ap.add_argument(
+        "--gil", type=float, metavar="HZ",
+        help="the files are --gil profiles recorded at HZ: the GIL's held share, and by what",
+    )  # fmt: skip
     args = ap.parse_args()
     for path in args.profiles:
+        if args.gil:
+            g = gil_summary(path.read_text().splitlines(), args.gil)
+            print(f"{path}: GIL held in {g.held:.1%} of {args.gil * RECORD_S:.0f} samples")
+            for title, rows in (("holding it", g.own), ("within hsextract's", g.within)):
+                print(f"  {title}: " + "; ".join(f"{k} {v:.1%}" for k, v in rows))
+            continue
         s = summarise(path.read_text().splitlines())
         print(
             f"{path}: main thread {s.main_samples} samples: waiting for the GPU "

@@ -12,6 +12,12 @@
 # busy; py-spy's raw (collapsed) stacks, --nonblocking (the process is never paused).
 # RENICE_SCHEDULER=N sets every thread of each scheduler to nice N when it is seen (root
 # on the device): with the call under `nice -n 5`, the server back at 0, above the client.
+# Another process: PROFILE_MATCH (a `pgrep -f` pattern), PROFILE_NAME (the files' prefix),
+# PROFILE_ARGS (py-spy's, in place of --threads), PROFILE_RATE (Hz), PROFILE_DELAY (seconds
+# from its start, instead of the GPU's busy). A chunk job's GIL (a job sends ~5-20 s in):
+#   PROFILE_MATCH=extract_chunk PROFILE_NAME=job PROFILE_ARGS="--gil --threads" \
+#   PROFILE_RATE=50 PROFILE_DELAY=6 bash h200/profile_scheduler.sh
+#   python3 bench/scheduler_profile.py --gil 50 job1.txt ...   (the share it held the GIL)
 # The device returns at most a few files: delete what you do not need from $OUT first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,28 +32,37 @@ fi
 PS=$(find "$D" -name py-spy -type f | head -1)
 [ -n "$PS" ] || { echo "no py-spy under $D: run 'bash h200/profile_scheduler.sh --build' here" >&2; exit 2; }
 chmod +x "$PS"
+MATCH=${PROFILE_MATCH:-sglang::scheduler}
+NAME=${PROFILE_NAME:-sched}
+ARGS=${PROFILE_ARGS:---threads}
+RATE=${PROFILE_RATE:-200}
 seen=""
 n=0
 while true; do
-  for p in $(pgrep -f "sglang::scheduler"); do
+  for p in $(pgrep -f "$MATCH"); do
     case " $seen " in *" $p "*) continue ;; esac
     seen="$seen $p"
     n=$((n + 1))
-    echo "profile: scheduler #$n pid $p $(date +%T)" >&2
+    echo "profile: $NAME #$n pid $p $(date +%T)" >&2
     if [ -n "${RENICE_SCHEDULER:-}" ]; then
       for t in /proc/"$p"/task/*; do renice -n "$RENICE_SCHEDULER" -p "${t##*/}" >/dev/null; done
-      echo "profile: scheduler #$n threads at nice $RENICE_SCHEDULER" >&2
+      echo "profile: $NAME #$n threads at nice $RENICE_SCHEDULER" >&2
     fi
     (
-      while kill -0 "$p" 2>/dev/null; do
-        u=$(nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits | head -1)
-        [ "${u:-0}" -gt 60 ] && break
-        sleep 0.5
-      done
-      sleep 3
-      echo "profile: recording #$n pid $p $(date +%T)" >&2
-      "$PS" record -p "$p" --threads --nonblocking -r 200 -d 12 --format raw \
-        -o "$OUT/sched$n.txt" >>"$OUT/profile.err" 2>&1
+      if [ -n "${PROFILE_DELAY:-}" ]; then
+        sleep "$PROFILE_DELAY"  # many processes: no nvidia-smi loop each (its CPU)
+      else
+        while kill -0 "$p" 2>/dev/null; do
+          u=$(nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits | head -1)
+          [ "${u:-0}" -gt 60 ] && break
+          sleep 0.5
+        done
+        sleep 3
+      fi
+      echo "profile: recording $NAME #$n pid $p $(date +%T)" >&2
+      # $ARGS unquoted: py-spy's flags, split at spaces.
+      "$PS" record -p "$p" $ARGS --nonblocking -r "$RATE" -d 12 --format raw \
+        -o "$OUT/$NAME$n.txt" >>"$OUT/profile.err" 2>&1
     ) &
   done
   sleep 1
