@@ -718,7 +718,9 @@ def sending_figures(sidecars: list[dict], jobs_n: int, n_turns: int) -> dict:
     (records, writer; the server wait excluded), ``send`` the turn held, ``drain`` its
     last request sent to its last response written, ``finish`` fsync, sha256, check,
     sidecar; ``spawn`` a finished job's sidecar to the next job's process start (exit,
-    Snakemake's bookkeeping and dispatch)."""
+    Snakemake's bookkeeping and dispatch).  ``in_flight_mean``: the requests in flight
+    over the phase on average, all of them (``window``) and where they were (``answer``,
+    ``shm``, ``client``; the sidecars' ``request_s``)."""
     tokens = sum(s["tokens"] for s in sidecars)
     takes = [s["sending"][0] for s in sidecars]
     rels = [s["sending"][1] for s in sidecars]
@@ -769,6 +771,13 @@ def sending_figures(sidecars: list[dict], jobs_n: int, n_turns: int) -> dict:
     job["drain"] = med([d - s["sending"][1] for s, d in zip(sidecars, drained, strict=True)])
     job["finish"] = med([s["finished_at"] - d for s, d in zip(sidecars, drained, strict=True)])
     out["job_s"] = job
+    if all("request_s" in s for s in sidecars):
+        # Little's law: request-seconds over the phase = the mean requests in flight, here
+        # split by where they were: waiting for the server's answer, for /dev/shm room,
+        # or in the client's own work (pieces read, checked, written) after the answer.
+        sums = {k: sum(s["request_s"][k] for s in sidecars) for k in ("window", "shm", "answer")}
+        sums["client"] = sums["window"] - sums["shm"] - sums["answer"]
+        out["in_flight_mean"] = {k: round(v / span, 1) for k, v in sums.items()}
     return out
 
 

@@ -234,8 +234,8 @@ def test_the_reference_engine_never_sees_more_than_either_window(demo_run, tmp_p
     """One chunk through the reference engine, one sending turn, 4 requests and 600 tokens
     a turn (more than any demo record, less than its four longest together): the most the
     server held at once, counted on its side between arrival and answer, stays within
-    both; the server was started with the running limit auto derived (4 x 1 turn); the
-    chunk holds the workflow's states."""
+    both, and so do the request-seconds the sidecar sums up; the server was started with
+    the running limit auto derived (4 x 1 turn); the chunk holds the workflow's states."""
     import copy
     import os
 
@@ -279,6 +279,12 @@ def test_the_reference_engine_never_sees_more_than_either_window(demo_run, tmp_p
     assert 1 <= peak["requests"] <= 4 and lens[-1] <= peak["tokens"] <= 600, peak
     assert sidecar["window"][1] <= 4
     assert sidecar["window_tokens"][0] == 600 and sidecar["window_tokens"][1] <= 600
+    # Where the requests were (request-seconds): the answers' and /dev/shm's waits are
+    # parts of the window's time, and no more than 4 were in it over the job's sending.
+    req = sidecar["request_s"]
+    assert req["answer"] > 0 and req["shm"] >= 0, req
+    assert req["answer"] + req["shm"] <= req["window"], req
+    assert req["window"] <= 4 * (sidecar["drained_at"] - sidecar["sending"][0]) + 0.01, req
     got, want = ChunkReader(tmp_path / f"{name}.safetensors"), ChunkReader(rd / chunk["path"])
     assert got.record_ids == want.record_ids
     for j in range(len(want.record_ids)):

@@ -693,6 +693,8 @@ class Client:
         self.abandoned: list[str] = []
         #: Wall clock of the latest response (the server done with a request), or None.
         self.last_response_at: float | None = None
+        #: Seconds summed over requests from the POST to its answer (``Occupancy``).
+        self.answer_wait = Occupancy()
 
     def _post(self, rid: str, ids: list[int]) -> dict:
         body = {"input_ids": ids, "rid": rid, "sampling_params": {"max_new_tokens": 0}}
@@ -771,7 +773,9 @@ class Client:
             rid = f"{rid_prefix}-{uuid.uuid4().hex[:8]}"
             rid_dir = self.dump_dir / rid
             try:
+                posted = time.monotonic()
                 self._post(rid, ids)
+                self.answer_wait.add(time.monotonic() - posted)
                 self.last_response_at = max(self.last_response_at or 0.0, time.time())
                 pieces = read_pieces(rid_dir, len(ids), self.piece_timeout)
                 return assemble(
@@ -994,6 +998,7 @@ def _extract_chunk(
     started = itertools.count(1)
     first_error: list[BaseException] = []
     chunk_stats = LayerStats(layer_names(geo.aux_layers, geo.num_layers))
+    in_window, shm_wait = Occupancy(), Occupancy()
 
     def one(j: int) -> None:
         if client.stop.is_set():
@@ -1002,10 +1007,12 @@ def _extract_chunk(
         n_tokens = len(rec.input_ids)
         try:
             window.acquire(n_tokens)
+            admitted = time.monotonic()
             try:
                 if client.stop.is_set():
                     return  # failed while this one waited for room in the window
                 token = shm.acquire(need(rec))
+                shm_wait.add(time.monotonic() - admitted)
                 if next(started) == len(records):
                     turn.release()  # the last record goes out now: a waiting job may send
                 # Each row is read once: uncompressed, the rows go to the chunk file as
@@ -1028,6 +1035,7 @@ def _extract_chunk(
                     shm.release(token)
             finally:
                 window.release(n_tokens)
+                in_window.add(time.monotonic() - admitted)
         except BaseException as exc:
             first_error.append(exc)  # list.append is atomic
             client.stop.set()  # other threads finish their request, retry nothing
@@ -1117,6 +1125,15 @@ def _extract_chunk(
         "window_tokens": [window.tokens_base, window.tokens_peak],
         "waited_for_turn_s": round(waited, 3),
         "waited_for_server_s": round(client.waited_for_server, 3),
+        # Seconds summed over the requests: held in the window, of which waiting for
+        # /dev/shm room, and from the POST to its answer; the rest is this job's own work
+        # (pieces read, checked, written).  Over the sending phase, the requests in flight
+        # in each on average: whether the server or the client holds the window (issue 40).
+        "request_s": {
+            "window": in_window.round(),
+            "shm": shm_wait.round(),
+            "answer": client.answer_wait.round(),
+        },  # fmt: skip
         # Wall clock: this job's process began (its start cost: interpreter, imports).
         "process_started_at": _process_started_at(),
     }
@@ -1124,6 +1141,21 @@ def _extract_chunk(
 
     write_json(Path(sidecar_path), sidecar)
     return sidecar
+
+
+class Occupancy:
+    """Seconds summed over requests, added from any sender thread."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._lock = threading.Lock()
+
+    def add(self, seconds: float) -> None:
+        with self._lock:  # a float's += is not atomic across threads
+            self.seconds += seconds
+
+    def round(self) -> float:
+        return round(self.seconds, 3)
 
 
 class _Window:
