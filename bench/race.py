@@ -719,8 +719,8 @@ def sending_figures(sidecars: list[dict], jobs_n: int, n_turns: int) -> dict:
     last request sent to its last response written, ``finish`` fsync, sha256, check,
     sidecar; ``spawn`` a finished job's sidecar to the next job's process start (exit,
     Snakemake's bookkeeping and dispatch).  ``in_flight_mean``: the requests in flight
-    over the phase on average, all of them (``window``) and where they were (``answer``,
-    ``shm``, ``client``; the sidecars' ``request_s``)."""
+    over the phase on average, all of them (``window``) and where they were (``shm``,
+    ``answer``, ``pieces``, ``client``; the sidecars' ``request_s``)."""
     tokens = sum(s["tokens"] for s in sidecars)
     takes = [s["sending"][0] for s in sidecars]
     rels = [s["sending"][1] for s in sidecars]
@@ -773,10 +773,11 @@ def sending_figures(sidecars: list[dict], jobs_n: int, n_turns: int) -> dict:
     out["job_s"] = job
     if all("request_s" in s for s in sidecars):
         # Little's law: request-seconds over the phase = the mean requests in flight, here
-        # split by where they were: waiting for the server's answer, for /dev/shm room,
-        # or in the client's own work (pieces read, checked, written) after the answer.
-        sums = {k: sum(s["request_s"][k] for s in sidecars) for k in ("window", "shm", "answer")}
-        sums["client"] = sums["window"] - sums["shm"] - sums["answer"]
+        # split by where they were: waiting for /dev/shm room, for the server's answer,
+        # for its pieces (the capture's writers), or in the client's own work after that.
+        keys = ("window", "shm", "answer", "pieces")
+        sums = {k: sum(s["request_s"][k] for s in sidecars) for k in keys}
+        sums["client"] = sums["window"] - sums["shm"] - sums["answer"] - sums["pieces"]
         out["in_flight_mean"] = {k: round(v / span, 1) for k, v in sums.items()}
     return out
 

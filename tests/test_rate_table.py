@@ -93,7 +93,7 @@ def test_quick_cell_row_comes_from_its_run_and_a_second_call_skips_it(tmp_path: 
         where = hsx["in_flight_mean"]
         assert where == fig["in_flight_mean"]
         assert 0 < where["window"] <= int(row["hsx_requests_per_turn"]) * turns, where
-        assert where["answer"] > 0 and where["client"] >= 0, where
+        assert where["answer"] > 0 and where["pieces"] >= 0 and where["client"] >= 0, where
         assert {tuple(s["aux_layers"]) for s in sides} == {(2, 5)}
         assert row["aux_layers"] == "2;5"
         # The bare side: its flood over the same tokens, and a server log of its own.

@@ -279,11 +279,12 @@ def test_the_reference_engine_never_sees_more_than_either_window(demo_run, tmp_p
     assert 1 <= peak["requests"] <= 4 and lens[-1] <= peak["tokens"] <= 600, peak
     assert sidecar["window"][1] <= 4
     assert sidecar["window_tokens"][0] == 600 and sidecar["window_tokens"][1] <= 600
-    # Where the requests were (request-seconds): the answers' and /dev/shm's waits are
-    # parts of the window's time, and no more than 4 were in it over the job's sending.
+    # Where the requests were (request-seconds): the waits for /dev/shm, the answers and
+    # the pieces are parts of the window's time, and no more than 4 were in it over the
+    # job's sending.
     req = sidecar["request_s"]
-    assert req["answer"] > 0 and req["shm"] >= 0, req
-    assert req["answer"] + req["shm"] <= req["window"], req
+    assert req["answer"] > 0 and req["shm"] >= 0 and req["pieces"] > 0, req
+    assert req["answer"] + req["shm"] + req["pieces"] <= req["window"], req
     assert req["window"] <= 4 * (sidecar["drained_at"] - sidecar["sending"][0]) + 0.01, req
     got, want = ChunkReader(tmp_path / f"{name}.safetensors"), ChunkReader(rd / chunk["path"])
     assert got.record_ids == want.record_ids

@@ -693,8 +693,9 @@ class Client:
         self.abandoned: list[str] = []
         #: Wall clock of the latest response (the server done with a request), or None.
         self.last_response_at: float | None = None
-        #: Seconds summed over requests from the POST to its answer (``Occupancy``).
-        self.answer_wait = Occupancy()
+        #: Seconds summed over requests from the POST to its answer, and from the answer
+        #: to its pieces all on /dev/shm and opened (the server's writers may lag).
+        self.answer_wait, self.pieces_wait = Occupancy(), Occupancy()
 
     def _post(self, rid: str, ids: list[int]) -> dict:
         body = {"input_ids": ids, "rid": rid, "sampling_params": {"max_new_tokens": 0}}
@@ -775,9 +776,11 @@ class Client:
             try:
                 posted = time.monotonic()
                 self._post(rid, ids)
-                self.answer_wait.add(time.monotonic() - posted)
+                answered = time.monotonic()
+                self.answer_wait.add(answered - posted)
                 self.last_response_at = max(self.last_response_at or 0.0, time.time())
                 pieces = read_pieces(rid_dir, len(ids), self.piece_timeout)
+                self.pieces_wait.add(time.monotonic() - answered)
                 return assemble(
                     pieces, ids, self.geo, f"{where} (rid {rid})", rows_to, check_values
                 )
@@ -1126,14 +1129,16 @@ def _extract_chunk(
         "waited_for_turn_s": round(waited, 3),
         "waited_for_server_s": round(client.waited_for_server, 3),
         # Seconds summed over the requests: held in the window, of which waiting for
-        # /dev/shm room, and from the POST to its answer; the rest is this job's own work
-        # (pieces read, checked, written).  Over the sending phase, the requests in flight
-        # in each on average: whether the server or the client holds the window (issue 40).
+        # /dev/shm room, from the POST to its answer, and from there to its pieces all
+        # written and opened; the rest is this job's own work (checked, encoded, written).
+        # Over the sending phase, the requests in flight in each on average: whether the
+        # server or the client holds the window (issue 40).
         "request_s": {
             "window": in_window.round(),
             "shm": shm_wait.round(),
             "answer": client.answer_wait.round(),
-        },  # fmt: skip
+            "pieces": client.pieces_wait.round(),
+        },
         # Wall clock: this job's process began (its start cost: interpreter, imports).
         "process_started_at": _process_started_at(),
     }
