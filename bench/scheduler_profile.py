@@ -45,19 +45,24 @@ def _name(frame: str) -> str:
     return frame.split(" (")[0]
 
 
+def _stacks(lines: list[str]) -> list[tuple[str, list[str], int]]:
+    """py-spy's raw output (``--threads``), ``thread;frame;...;frame count`` a line, as
+    (thread, frames outermost first, samples)."""
+    out = []
+    for line in lines:
+        stack, _, count = line.rstrip("\n").rpartition(" ")
+        if stack:
+            thread, *frames = stack.split(";")
+            out.append((thread, frames, int(count)))
+    return out
+
+
 def summarise(lines: list[str]) -> Summary:
     """Figures from py-spy's raw output: ``thread;frame;...;frame count`` a line."""
     by_thread: collections.Counter[str] = collections.Counter()
-    stacks: list[tuple[str, list[str], int]] = []
-    for line in lines:
-        line = line.rstrip("\n")
-        if not line:
-            continue
-        stack, _, count = line.rpartition(" ")
-        thread, *frames = stack.split(";")
-        n = int(count)
+    stacks = _stacks(lines)
+    for thread, _, n in stacks:
         by_thread[thread] += n
-        stacks.append((thread, frames, n))
     main = next((t for t in by_thread if "MainThread" in t), None)
     if main is None:
         raise SystemExit(
@@ -105,13 +110,9 @@ def gil_summary(
     own: collections.Counter[str] = collections.Counter()
     within: collections.Counter[str] = collections.Counter()
     total = 0
-    for line in lines:
-        stack, _, count = line.rstrip("\n").rpartition(" ")
-        if not stack:
-            continue
-        n = int(count)
+    for _, frames, n in _stacks(lines):
         total += n
-        frames = [f for f in stack.split(";")[1:] if f]
+        frames = [f for f in frames if f]
         if frames:
             own[_name(frames[-1])] += n
         for name in {_name(f) for f in frames if "hsextract/" in f}:
