@@ -420,7 +420,8 @@ def dp2_config(work: Path, cfg_path: Path) -> Path:
             "HSEXTRACT_LIVE_ONE_GPU_DP": "1",
         },  # fmt: skip
     )
-    path = work / "hsx-dp2" / "config.yaml"
+    # Beside the config it derives from (work/hsx -> work/hsx-dp2): each variant its own.
+    path = work / f"{cfg_path.parent.name}-dp2" / "config.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(cfg))
     shim = str(REPO / "tests" / "live" / "one_gpu_dp")

@@ -35,6 +35,7 @@ import csv
 import datetime
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -154,10 +155,13 @@ def cell_records(cell: Cell, cwork: Path, seed: int) -> tuple[Path, list[int], i
     return data, lens, vocab
 
 
-def cell_config(cell: Cell, cwork: Path, data: Path) -> tuple[Path, list[int]]:
+def cell_config(
+    cell: Cell, cwork: Path, data: Path, tag: str = "hsx", sets: tuple[str, ...] = ()
+) -> tuple[Path, list[int]]:
     """hsextract's config for the cell (``n_chunks: auto``), and the aux layers it captures.
     SGLang: race's (the shipped 1xH200 config, payload flags; dp 2: race.dp2_config);
-    --quick: stream_budget's (config.yaml, reference engine)."""
+    --quick: stream_budget's (config.yaml, reference engine).  ``tag``: a variant's own
+    config dir and output root; ``sets``: its overrides, after the cell's."""
     import yaml
 
     from hsextract.convention import default_aux_layers
@@ -167,19 +171,19 @@ def cell_config(cell: Cell, cwork: Path, data: Path) -> tuple[Path, list[int]]:
 
         n_layers = stream_budget.QUICK_DEMO["num_hidden_layers"]
         aux = race.aux_layer_list(cell.aux, n_layers)
-        cfg_path = stream_budget.quick_config(cwork, data, "auto", "hsx")
+        cfg_path = stream_budget.quick_config(cwork, data, "auto", tag)
         raw = yaml.safe_load(cfg_path.read_text())
         raw["aux_layers"] = aux
         cfg_path.write_text(yaml.safe_dump(raw))
     else:
         n_layers = race.MODELS[cell.model]["num_hidden_layers"]
         aux = race.aux_layer_list(cell.aux, n_layers)
-        cfg_path = race.hsx_config(cwork, data, "auto", "hsx", aux)
+        cfg_path = race.hsx_config(cwork, data, "auto", tag, aux)
     if cell.dp == 2:
         cfg_path = race.dp2_config(cwork, cfg_path)
     elif cell.dp != 1:
         raise SystemExit(f"dp {cell.dp}: only dp 2 on one GPU is set up (race.dp2_config)")
-    apply_sets(cfg_path, cell.sets)
+    apply_sets(cfg_path, cell.sets + sets)
     return cfg_path, aux if aux is not None else default_aux_layers(n_layers)
 
 
@@ -220,14 +224,42 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 4) if a and b else None
 
 
-def run_cell(name: str, cell: Cell, work: Path, seed: int, jobs: int, deadline: float) -> dict:
+#: A variant: ``(label, sets)``, one more hsextract run of a cell with ``sets`` on top.
+Variant = tuple[str, tuple[str, ...]]
+
+
+def run_hsx(cwork: Path, logs: Path, cfg_path: Path, jobs: int, tokens: int, timeout_s: float,
+            reclaim: bool) -> dict:  # fmt: skip
+    """``snakemake extract_all`` through race's contender (logs in ``logs/``); its chunks'
+    sidecars kept in ``logs/../sidecars`` (the row's source), its states removed (disk)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    hsx = race.run_hsextract(logs.parent, cfg_path, jobs, tokens, timeout_s, reclaim=reclaim)
+    run = Path(hsx["run_dir"]) if hsx.get("run_dir") else None
+    if run is not None:
+        side = logs.parent / "sidecars"
+        side.mkdir()
+        for f in (run / "hidden").glob("chunk_*.json"):
+            shutil.copy(f, side / f.name)
+        hsx["window"] = race.sidecar_windows(side)
+        shutil.rmtree(run / "hidden", ignore_errors=True)
+    return hsx
+
+
+def run_cell(name: str, cell: Cell, work: Path, seed: int, jobs: int, deadline: float,
+             variants: tuple[Variant, ...] = ()) -> dict:  # fmt: skip
     """Bare, then hsextract, on the cell's records; the row (``row``: None unless both
-    finished every record) and every figure the race reported."""
+    finished every record) and every figure the race reported.  Then each variant, time
+    allowing: hsextract again with its sets, against the same bare run (``variants``:
+    a lever measured in the very call, on the very host, that measures the shipped
+    config; never a row)."""
     cwork = work / "cells" / name
     shutil.rmtree(cwork, ignore_errors=True)  # ours: under the marked work dir
     (cwork / "logs").mkdir(parents=True)
     data, lens, _ = cell_records(cell, cwork, seed)
     cfg_path, aux = cell_config(cell, cwork, data)
+    # Every variant's config before any server starts: a set the schema refuses ends here.
+    variant_cfgs = {label: cell_config(cell, cwork, data, f"hsx-{label}", sets)[0]
+                    for label, sets in variants}  # fmt: skip
     engine = "reference" if cell.model == "demo" else "sglang"
     plan = race.resolve_auto(cfg_path, lens)
     window = race.race_window(cfg_path, lens, "same")
@@ -240,20 +272,33 @@ def run_cell(name: str, cell: Cell, work: Path, seed: int, jobs: int, deadline: 
     print(f"   bare: {json.dumps(bare)}", flush=True)
     race.wait_gpu_free()
     left = deadline - time.monotonic()
-    hsx = race.run_hsextract(cwork, cfg_path, jobs, sum(lens), max(60.0, left - 20),
-                             reclaim=engine == "sglang")  # fmt: skip
-    run = Path(hsx["run_dir"]) if hsx.get("run_dir") else None
-    if run is not None:  # the sidecars stay (the row's source); the states go (disk)
-        side = cwork / "sidecars"
-        side.mkdir()
-        for f in (run / "hidden").glob("chunk_*.json"):
-            shutil.copy(f, side / f.name)
-        hsx["window"] = race.sidecar_windows(side)
-        shutil.rmtree(run / "hidden", ignore_errors=True)
+    hsx = run_hsx(cwork, cwork / "logs", cfg_path, jobs, sum(lens), max(60.0, left - 20),
+                  reclaim=engine == "sglang")  # fmt: skip
     print(f"   hsextract: {json.dumps(hsx, default=str)}", flush=True)
     race.wait_gpu_free()
     out = {"cell": name, "spec": cell.spec(seed), "work": str(cwork), "plan": plan,
            "window": window, "bare": bare, "hsextract": hsx, "row": None}  # fmt: skip
+    if variants:
+        out["variants"] = {}
+    for label, sets in variants:
+        left = deadline - time.monotonic()
+        if left < cell.need_s / 2:  # about hsextract's half of the cell's call
+            out["variants"][label] = {"sets": sets, "not_started": f"{left:.0f} s left"}
+            print(f"== {name} variant {label}: {left:.0f} s left, not started", flush=True)
+            continue
+        v = run_hsx(cwork, cwork / f"variant-{label}" / "logs", variant_cfgs[label], jobs,
+                    sum(lens), max(60.0, left - 20), reclaim=engine == "sglang")  # fmt: skip
+        race.wait_gpu_free()
+        out["variants"][label] = {
+            "sets": sets,
+            "ratio_sending": _ratio(v.get("sending_tok_s"), bare["sending_tok_s"]),
+            "shipped_ratio_sending": _ratio(hsx.get("sending_tok_s"), bare["sending_tok_s"]),
+            "hsextract": v,
+        }
+        print(f"== {name} variant {label} ({', '.join(sets)}): hsextract/bare sending "
+              f"{out['variants'][label]['ratio_sending']} ({v.get('sending_tok_s')} vs "
+              f"{bare['sending_tok_s']} tok/s; as shipped "
+              f"{out['variants'][label]['shipped_ratio_sending']})", flush=True)  # fmt: skip
     done = hsx.get("rc") == 0 and hsx.get("tokens") == bare["tokens"] == sum(lens)
     if not done:
         out["incomplete"] = (
@@ -416,6 +461,16 @@ def cell_list(text: str) -> list[str]:
     return names
 
 
+def variant_arg(text: str) -> Variant:
+    """``LABEL:KEY=VALUE[,KEY=VALUE]`` (a label names its config dir and output root)."""
+    label, colon, sets = text.partition(":")
+    if not colon or not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,31}", label) or not sets:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: LABEL:SECTION.KEY=VALUE[,SECTION.KEY=VALUE], LABEL of a-z, 0-9, -"
+        )
+    return label, tuple(sets.split(","))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cells", default=",".join(CELLS), type=cell_list,
@@ -436,6 +491,11 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override hsextract's config in every cell run "
                          "(client.tokens_in_flight=21000); part of the row's spec")  # fmt: skip
+    ap.add_argument("--variant", action="append", default=[], type=variant_arg,
+                    metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
+                    help="after a cell's row, hsextract again with these sets against the "
+                         "same bare run (its ratio in the output and rate_table.json, never "
+                         "a row); e.g. nice5:client.nice=5")  # fmt: skip
     args = ap.parse_args()
     if args.render:
         print(render(committed_csvs()))
@@ -482,7 +542,7 @@ def main() -> None:
                       " not started (run the same command again)", flush=True)  # fmt: skip
                 details["cells"][name] = {"not_started": f"{left:.0f} s left"}
                 continue
-            r = run_cell(name, cell, work, args.seed, jobs, deadline)
+            r = run_cell(name, cell, work, args.seed, jobs, deadline, tuple(args.variant))
             details["cells"][name] = {**r, "details": asdict(cell)}
             if r["row"] is not None:
                 rows.append(r["row"])
@@ -501,7 +561,7 @@ def main() -> None:
         cells_dir = work / "cells"
         logs = [
             str(p.relative_to(work))
-            for pattern in ("*/logs", "*/sidecars", "*/results-*/*/logs")
+            for pattern in ("*/logs", "*/sidecars", "*/results-*/*/logs", "*/variant-*/*")
             for p in cells_dir.glob(pattern)
         ]
         if logs:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -48,10 +49,10 @@ def test_readme_rate_table_is_what_the_committed_csvs_render():
         assert not re.search(r"^\|", block, re.M), block
 
 
-def _run(work: Path, table: Path, out: Path, cwd: Path) -> subprocess.CompletedProcess:
+def _run(work: Path, table: Path, out: Path, cwd: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(REPO / "bench" / "rate_table.py"), "--quick", "--work", str(work),
-         "--csv", str(table), "--out", str(out)],
+         "--csv", str(table), "--out", str(out), *extra],
         cwd=cwd, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
 
@@ -62,7 +63,7 @@ def test_quick_cell_row_comes_from_its_run_and_a_second_call_skips_it(tmp_path: 
     race = sys.modules["race"]
     work, table, out = tmp_path / "work", tmp_path / "table.csv", tmp_path / "out"
     try:
-        proc = _run(work, table, out, tmp_path)
+        proc = _run(work, table, out, tmp_path, "--variant", "nice3:client.nice=3")
         tail = proc.stdout[-4000:] + proc.stderr[-4000:]
         assert proc.returncode == 0, tail
         assert proc.stdout.strip().splitlines()[-1] == f"rate table: 1 of 1 cells in {table}"
@@ -114,6 +115,22 @@ def test_quick_cell_row_comes_from_its_run_and_a_second_call_skips_it(tmp_path: 
         assert row["engine"] == "reference" and row["sglang"] == "" and row["dp"] == "1"
         # No GPU, no SGLang log: those figures are blank, not made up.
         assert row["bare_gpu_busy_sending_pct"] == row["hsx_gpu_busy_sending_pct"] == ""
+
+        # The variant: hsextract again with its set, against the same bare run; its chunk
+        # jobs ran at the niceness it set (or nicer, as this test was started), no row.
+        var = detail["variants"]["nice3"]
+        assert var["sets"] == ["client.nice=3"]
+        assert var["hsextract"]["tokens"] == sum(lens) and var["hsextract"]["rc"] == 0
+        want = var["hsextract"]["sending_tok_s"] / bare["sending_tok_s"]
+        assert var["ratio_sending"] == pytest.approx(want, abs=1e-4)
+        assert var["shipped_ratio_sending"] == pytest.approx(float(row["ratio_sending"]))
+        vside = cwork / "variant-nice3" / "sidecars"
+        vsides = [json.loads(p.read_text()) for p in sorted(vside.glob("*.json"))]
+        assert sum(s["tokens"] for s in vsides) == sum(lens)
+        assert {s["nice"] for s in vsides} == {max(3, os.getpriority(os.PRIO_PROCESS, 0))}
+        assert {s["nice"] for s in sides} == {os.getpriority(os.PRIO_PROCESS, 0)}
+        assert "nice3" not in row["spec"]
+        assert "== quick variant nice3 (client.nice=3): hsextract/bare sending" in proc.stdout
 
         # Rendered: the cell's bare figure beside hsextract's, and their ratio.
         text = rt.render([table])

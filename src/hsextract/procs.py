@@ -46,3 +46,25 @@ def owner_alive(pid: int | str, start: str | None = None) -> bool:
     """Whether the owner still runs: its pid alive, and the same process if ``start`` (its
     start time) was recorded."""
     return pid_alive(pid) and (start is None or start_time(int(pid)) == str(start))
+
+
+def lower_priority(nice: int) -> int:
+    """Run every thread of this process at niceness ``nice`` or nicer; return the calling
+    thread's niceness after.
+
+    Why every thread: on Linux niceness is a thread's (``setpriority(PRIO_PROCESS, 0)``
+    sets the caller's alone); threads started later inherit their creator's, but those
+    already running (torch's, a progress bar's) keep theirs.  A thread already nicer (a
+    job started under ``nice(1)``) is left as it is: an unprivileged process may not make
+    one less nice, and lowering is all that is asked."""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except FileNotFoundError:  # no procfs: the calling thread's (the process's elsewhere)
+        tids = [0]
+    for tid in tids:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+    return os.getpriority(os.PRIO_PROCESS, 0)

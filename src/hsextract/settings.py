@@ -166,6 +166,8 @@ DECLARED: tuple[Setting | Group, ...] = (
     S("client.tokens_in_flight", ("integer", "string"), "tokens in flight per sending turn (per dp worker); auto = client.requests_in_flight's records at the merged mean length, within 2-4 x server.chunked_prefill_size (2 before the merge), while client.requests_in_flight is auto too; no token limit when that is set; a record longer than it goes alone (hsextract.window)", default="auto", sample=4096,
       schema=_AUTO),
     S("client.sending_jobs", "integer", "chunk jobs sending at once", default=4, sample=2, schema=_POS),
+    S("client.nice", "integer", "the chunk jobs' CPU niceness, 0-19 (hsextract.procs.lower_priority): above 0 the server wins a core both want -- its scheduler must launch the next pass the moment one ends; a job already nicer stays so",
+      default=0, sample=5, schema={"minimum": 0, "maximum": 19}),
     S("client.request_timeout_s", "number", "one request's timeout", default=600, sample=60, schema=_POS_NUM),
     S("client.piece_timeout_s", "number", "how long a dump piece may take to appear", default=60, sample=30, schema=_POS_NUM),
     S("client.retries", "integer", "attempts after a transient fault", default=3, sample=1, schema=_NONNEG),
