@@ -278,7 +278,7 @@ def test_the_reference_engine_never_sees_more_than_either_window(demo_run, tmp_p
     peak = seen["peak_in_flight"]
     assert 1 <= peak["requests"] <= 4 and lens[-1] <= peak["tokens"] <= 600, peak
     assert sidecar["window"][1] <= 4
-    assert sidecar["nice"] == os.getpriority(os.PRIO_PROCESS, 0)  # client.nice 0: as started
+    assert sidecar["nice"] == os.getpriority(os.PRIO_PROCESS, 0)  # the job's own niceness
     assert sidecar["window_tokens"][0] == 600 and sidecar["window_tokens"][1] <= 600
     # Where the requests were (request-seconds): the waits for /dev/shm, the answers and
     # the pieces are parts of the window's time, and no more than 4 were in it over the

@@ -41,7 +41,6 @@ import torch
 
 from hsextract.capture import ABANDONED_DIR, PIECE_SUFFIX
 from hsextract.errors import HsextractError
-from hsextract.procs import lower_priority
 from hsextract.stats import SAMPLE_EVERY, LayerStats, layer_names
 
 if TYPE_CHECKING:
@@ -911,8 +910,6 @@ def _extract_chunk(
     from hsextract.window import for_run
 
     one_thread_per_op()
-    # Before this job starts its threads: they inherit the niceness (procs.lower_priority).
-    nice = lower_priority(cfg.client.nice)
     name = Path(chunk_path).stem
     t0 = time.monotonic()
     index = Path(index_path) if index_path else None
@@ -1142,8 +1139,8 @@ def _extract_chunk(
             "answer": client.answer_wait.round(),
             "pieces": client.pieces_wait.round(),
         },
-        # The niceness it ran at (client.nice, or nicer if started so).
-        "nice": nice,
+        # The niceness it ran at (client.nice, or nicer if started so; steps.extract_chunk).
+        "nice": os.getpriority(os.PRIO_PROCESS, 0),
         # Wall clock: this job's process began (its start cost: interpreter, imports).
         "process_started_at": _process_started_at(),
     }

@@ -104,7 +104,7 @@ class ClientConfig:
     #: chunk jobs sending at once
     sending_jobs: int = 4
     #: the chunk jobs' CPU niceness, 0-19 (hsextract.procs.lower_priority): above 0 the server wins a core both want -- its scheduler must launch the next pass the moment one ends; a job already nicer stays so
-    nice: int = 0
+    nice: int = 5
     #: one request's timeout
     request_timeout_s: float = 600.0
     #: how long a dump piece may take to appear

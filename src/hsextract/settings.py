@@ -167,7 +167,7 @@ DECLARED: tuple[Setting | Group, ...] = (
       schema=_AUTO),
     S("client.sending_jobs", "integer", "chunk jobs sending at once", default=4, sample=2, schema=_POS),
     S("client.nice", "integer", "the chunk jobs' CPU niceness, 0-19 (hsextract.procs.lower_priority): above 0 the server wins a core both want -- its scheduler must launch the next pass the moment one ends; a job already nicer stays so",
-      default=0, sample=5, schema={"minimum": 0, "maximum": 19}),
+      default=5, sample=0, schema={"minimum": 0, "maximum": 19}),
     S("client.request_timeout_s", "number", "one request's timeout", default=600, sample=60, schema=_POS_NUM),
     S("client.piece_timeout_s", "number", "how long a dump piece may take to appear", default=60, sample=30, schema=_POS_NUM),
     S("client.retries", "integer", "attempts after a transient fault", default=3, sample=1, schema=_NONNEG),

@@ -538,8 +538,12 @@ def plan_chunks(sm: Any) -> None:
 def extract_chunk(sm: Any) -> None:
     from hsextract import server
     from hsextract.client import extract_chunk as extract
+    from hsextract.procs import lower_priority
 
     cfg = typed(sm.config)
+    # The job's process, before it starts its threads (they inherit it): the server first
+    # for a core both want (client.nice; README, "The server first for the CPU").
+    lower_priority(cfg.client.nice)
     # Where the chunk ran: on a cluster, the node and SLURM job whose server it used
     # (logs/servers/<this>.log); a cancelled allocation's chunks are found by it.
     log.info("chunk job on %s", server.host_key())
