@@ -14,9 +14,11 @@
 # on the device): with the call under `nice -n 5`, the server back at 0, above the client.
 # Another process: PROFILE_MATCH (a `pgrep -f` pattern), PROFILE_NAME (the files' prefix),
 # PROFILE_ARGS (py-spy's, in place of --threads), PROFILE_RATE (Hz), PROFILE_DELAY (seconds
-# from its start, instead of the GPU's busy). A chunk job's GIL (a job sends ~5-20 s in):
+# from its start, instead of the GPU's busy). A chunk job's GIL: the first jobs start with
+# the workflow and wait for the server's load (~60 s in a rate-table cell; 6 s caught only
+# that wait, 2026-12-07), so wait past it:
 #   PROFILE_MATCH=extract_chunk PROFILE_NAME=job PROFILE_ARGS="--gil --threads" \
-#   PROFILE_RATE=50 PROFILE_DELAY=6 bash h200/profile_scheduler.sh
+#   PROFILE_RATE=50 PROFILE_DELAY=75 bash h200/profile_scheduler.sh
 #   python3 bench/scheduler_profile.py --gil 50 job1.txt ...   (the share it held the GIL)
 # The device returns at most a few files: delete what you do not need from $OUT first.
 set -uo pipefail
