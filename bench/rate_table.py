@@ -228,7 +228,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 Variant = tuple[str, tuple[str, ...]]
 
 
-def run_hsx(cwork: Path, logs: Path, cfg_path: Path, jobs: int, tokens: int, timeout_s: float,
+def run_hsx(logs: Path, cfg_path: Path, jobs: int, tokens: int, timeout_s: float,
             reclaim: bool) -> dict:  # fmt: skip
     """``snakemake extract_all`` through race's contender (logs in ``logs/``); its chunks'
     sidecars kept in ``logs/../sidecars`` (the row's source), its states removed (disk)."""
@@ -272,7 +272,7 @@ def run_cell(name: str, cell: Cell, work: Path, seed: int, jobs: int, deadline: 
     print(f"   bare: {json.dumps(bare)}", flush=True)
     race.wait_gpu_free()
     left = deadline - time.monotonic()
-    hsx = run_hsx(cwork, cwork / "logs", cfg_path, jobs, sum(lens), max(60.0, left - 20),
+    hsx = run_hsx(cwork / "logs", cfg_path, jobs, sum(lens), max(60.0, left - 20),
                   reclaim=engine == "sglang")  # fmt: skip
     print(f"   hsextract: {json.dumps(hsx, default=str)}", flush=True)
     race.wait_gpu_free()
@@ -286,19 +286,18 @@ def run_cell(name: str, cell: Cell, work: Path, seed: int, jobs: int, deadline: 
             out["variants"][label] = {"sets": sets, "not_started": f"{left:.0f} s left"}
             print(f"== {name} variant {label}: {left:.0f} s left, not started", flush=True)
             continue
-        v = run_hsx(cwork, cwork / f"variant-{label}" / "logs", variant_cfgs[label], jobs,
+        v = run_hsx(cwork / f"variant-{label}" / "logs", variant_cfgs[label], jobs,
                     sum(lens), max(60.0, left - 20), reclaim=engine == "sglang")  # fmt: skip
         race.wait_gpu_free()
-        out["variants"][label] = {
+        entry = out["variants"][label] = {
             "sets": sets,
             "ratio_sending": _ratio(v.get("sending_tok_s"), bare["sending_tok_s"]),
             "shipped_ratio_sending": _ratio(hsx.get("sending_tok_s"), bare["sending_tok_s"]),
             "hsextract": v,
         }
         print(f"== {name} variant {label} ({', '.join(sets)}): hsextract/bare sending "
-              f"{out['variants'][label]['ratio_sending']} ({v.get('sending_tok_s')} vs "
-              f"{bare['sending_tok_s']} tok/s; as shipped "
-              f"{out['variants'][label]['shipped_ratio_sending']})", flush=True)  # fmt: skip
+              f"{entry['ratio_sending']} ({v.get('sending_tok_s')} vs {bare['sending_tok_s']} "
+              f"tok/s; as shipped {entry['shipped_ratio_sending']})", flush=True)  # fmt: skip
     done = hsx.get("rc") == 0 and hsx.get("tokens") == bare["tokens"] == sum(lens)
     if not done:
         out["incomplete"] = (
