@@ -7,6 +7,7 @@ import json
 import os
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -434,3 +435,90 @@ def test_reader_refuses_a_flipped_byte_anywhere(tmp_path, codec):
         ChunkReader(bare, expected_sha256=digest)
     assert ChunkReader(bare).sha256 is None
     assert ChunkReader(bad, verify=False).sha256 is None  # the exports hash as they read
+
+
+def test_a_stalled_blob_write_holds_no_other_records_put(tmp_path, monkeypatch):
+    """Lossless: the blob is written in record order by a thread of the writer's own, so
+    a write that stalls (writeback throttling, a spill copied back) holds up no other
+    record's put -- each request keeps its place in the server's window only until its
+    frames are handed over (issue 40).  The file is the same bytes as one never stalled."""
+    lengths, recs = [5, 1, 9, 3], records(torch.bfloat16, lengths=(5, 1, 9, 3))
+    meta = dict(META, record_ids=json.dumps(["a", "b", "c", "d"]))
+
+    def writer(path):
+        return ChunkWriter(path, lengths, hidden_size=8, n_aux=3, dtype=torch.bfloat16,
+                           metadata=meta, codec="lossless")  # fmt: skip
+
+    ref = writer(tmp_path / "ref.safetensors")
+    for j in range(len(lengths)):
+        ref.put(j, *recs[j])
+    ref_sha = ref.finish()
+
+    gate, stalled = threading.Event(), threading.Event()
+    real = chunks._OrderedBlob._write
+
+    def stalling(self, *args):
+        stalled.set()
+        assert gate.wait(60), "the test never opened the gate"
+        real(self, *args)
+
+    monkeypatch.setattr(chunks._OrderedBlob, "_write", stalling)
+    w = writer(tmp_path / "c.safetensors")
+    putting_done = threading.Event()
+
+    def put_all():
+        for j in range(len(lengths)):
+            w.put(j, *recs[j])
+        putting_done.set()
+
+    t = threading.Thread(target=put_all, daemon=True)
+    try:
+        t.start()
+        assert stalled.wait(60), "the blob was never written"
+        # Record 0's write is stalled; every put, record 0's own included, returns.
+        assert putting_done.wait(60), "a put waited for the blob's stalled write"
+    finally:
+        gate.set()
+        t.join(60)
+    assert w.finish() == ref_sha == sha256_file(tmp_path / "c.safetensors")
+
+
+def test_a_failed_blob_write_fails_the_chunk_and_leaves_nothing(tmp_path, monkeypatch):
+    """The blob's writer fails (a full disk) after the puts returned: finish raises the
+    disk's error; a put after the failure raises it at once (the chunk job stops sending);
+    nothing is left behind, no thread outlives the writer."""
+    lengths, recs = [5, 1, 9, 3], records(torch.float32, lengths=(5, 1, 9, 3))
+    meta = dict(META, record_ids=json.dumps(["a", "b", "c", "d"]))
+    gate = threading.Event()
+
+    def full(self, *args):
+        assert gate.wait(60), "the test never opened the gate"
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(chunks._OrderedBlob, "_write", full)
+    threads = set(threading.enumerate())
+    for n_put in (4, 3):
+        d = tmp_path / f"put{n_put}"
+        w = ChunkWriter(d / "c.safetensors", lengths, hidden_size=8, n_aux=3,
+                        dtype=torch.float32, metadata=meta, codec="lossless")  # fmt: skip
+        gate.clear()
+        try:
+            for j in range(n_put):
+                w.put(j, *recs[j])  # each returns: the write of record 0 waits at the gate
+        finally:
+            gate.set()
+        if n_put == 3:
+            deadline = time.monotonic() + 60
+            while w.blob.error is None:  # the event: the writer thread has failed
+                assert time.monotonic() < deadline, "the blob's writer never failed"
+                time.sleep(0.01)
+            with pytest.raises(OSError) as early:
+                w.put(3, *recs[3])
+            assert early.value.errno == errno.ENOSPC and "c.safetensors" in str(early.value)
+            w.abort()  # what the client does once a record fails
+        else:
+            with pytest.raises(OSError) as got:
+                w.finish()
+            assert got.value.errno == errno.ENOSPC
+        assert not list(d.iterdir())  # the temporary (and any spill) file removed
+    assert set(threading.enumerate()) <= threads  # the blob's threads ended

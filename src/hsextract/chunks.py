@@ -240,7 +240,7 @@ class ChunkWriter:
                 ("frames", "I64", [n_frames, self.frame_width], 8 * n_frames * self.frame_width),
                 ("blob", "U8", [0], 0),
             ]
-            self.blob = _OrderedBlob(self)
+            self.blob = _OrderedBlob(self, n_frames)
         self.layout = layout
         self.base: dict[str, int] = {}
         pos = 0
@@ -273,6 +273,8 @@ class ChunkWriter:
             self.abort()
             raise
         self.written = [False] * len(self.lengths)
+        self.ids = np.zeros(t, dtype=np.int32)
+        self.mask = np.zeros(t, dtype=np.uint8)
         #: Per record given a ``row_sink``: bytes of its hidden and aux rows written so far.
         self._sunk: dict[int, list[int]] = {}
 
@@ -363,9 +365,11 @@ class ChunkWriter:
             faults.on_chunk_put(self.path)
 
     def _put_small(self, j: int, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> None:
-        start = int(self.offsets[j])
-        self._pwrite("input_ids", 4 * start, _as_bytes(input_ids.to(torch.int32)))
-        self._pwrite("loss_mask", start, _as_bytes(loss_mask.to(torch.uint8)))
+        # Kept in memory, written once by finish: two small pwrites a record took the
+        # file's write lock, which a blob or row write may hold for long (issue 40).
+        start, n = int(self.offsets[j]), self.lengths[j]
+        self.ids[start : start + n] = input_ids.detach().to("cpu", torch.int32).numpy()
+        self.mask[start : start + n] = loss_mask.detach().to("cpu", torch.uint8).numpy()
 
     def put(
         self,
@@ -538,6 +542,8 @@ class ChunkWriter:
         return digest
 
     def _finish(self) -> str:
+        self._pwrite("input_ids", 0, memoryview(self.ids).cast("B"))
+        self._pwrite("loss_mask", 0, memoryview(self.mask).cast("B"))
         if self.codec == "lossless":
             end = self.blob.close()
             os.ftruncate(self.fd, self.data_start + self.fixed_bytes + end)
@@ -568,7 +574,7 @@ class ChunkWriter:
 
     def abort(self) -> None:
         if self.codec == "lossless":
-            self.blob.close()
+            self.blob.close(drop=True)
         self._end_syncs()  # before the close; its error is moot, the chunk is dropped
         if self.fd >= 0:
             os.close(self.fd)
@@ -578,59 +584,102 @@ class ChunkWriter:
 
 class _OrderedBlob:
     """A lossless chunk's compressed frames, laid out in record order whatever order the
-    records arrive in.
+    records arrive in, written by a thread of its own.
 
-    Why: a chunk file must be the same bytes however its requests were scheduled, so a
-    rerun reproduces its sha256.  The record at the head streams its frames straight to
-    the file; frames of later records wait in memory (up to :data:`PENDING_BYTES`, then in
-    a spill file next to the chunk) until every record before them is written.  Records
-    complete roughly in submission order, so the spill is rarely touched.
+    Why in order: a chunk file must be the same bytes however its requests were scheduled,
+    so a rerun reproduces its sha256.  Why a thread of its own (issue 40): the request
+    threads hold the server's window until their record is handed over, and a record's
+    frames can only be written once every record before it is.  When the request thread
+    that completed the head wrote the records waiting behind it, under a lock every other
+    encoder needed, one slow write (writeback throttling, a spill file to copy back)
+    stalled every encoder of the job with their requests counted in flight: on the chat
+    cell (H100 host) the chunk jobs held 404 of the 615 requests in flight after their
+    answers, SGLang's queue empty in 196 of 271 passes, 0.813 of the bare server.  Now a
+    request thread only queues its frames (in memory up to :data:`PENDING_BYTES`, past it
+    in a spill file next to the chunk, written by that thread) and marks its record done;
+    the writer thread alone writes the blob, in record order.  Its frame-table rows are
+    kept in memory (``table``) and written once, at ``close``.
     """
 
-    def __init__(self, writer: ChunkWriter) -> None:
+    def __init__(self, writer: ChunkWriter, n_frames: int) -> None:
         self.w = writer
         self.end = 0  # bytes of blob written
-        self.next = 0  # the head: every record before it is in the file
+        self.next = 0  # the head: every record before it is written or being written
         self.pending: dict[int, list] = {}
         self.done: set[int] = set()
         self.mem = 0
-        self.lock = threading.Lock()
+        self.cv = threading.Condition()
+        self.table = np.zeros((n_frames, writer.frame_width), dtype=np.int64)
         self.spill_path = writer.tmp.with_name(writer.tmp.name[: -len(".tmp")] + ".spill.tmp")
         self.spill_fd, self.spill_end = -1, 0
+        self.error: BaseException | None = None
+        self.stopping = self.dropping = False
+        self.thread: threading.Thread | None = None
+
+    def _raise_if_failed(self) -> None:
+        err = self.error
+        if err is None:
+            return
+        if isinstance(err, OSError):  # a disk's error stays one (the client names the disk)
+            raise OSError(err.errno, f"{err.strerror} (writing {self.w.tmp})") from err
+        raise ChunkFileError(f"{self.w.path}: writing the blob failed: {err!r}") from err
 
     def add(self, j: int, entry: list[int], parts: list, lengths: list[int]) -> None:
         size = sum(abs(x) for x in lengths)
-        with self.lock:
-            if j == self.next:
-                self._write(entry, parts, lengths, size)
-                return
-            if self.mem + size > PENDING_BYTES:
+        with self.cv:
+            self._raise_if_failed()
+            spill = self.mem + size > PENDING_BYTES
+            if spill:
                 if self.spill_fd < 0:
                     self.spill_fd = os.open(self.spill_path, os.O_RDWR | os.O_CREAT, 0o600)
                 off = self.spill_end
-                for part in parts:
-                    view = memoryview(part).cast("B")
-                    while len(view):
-                        k = os.pwrite(self.spill_fd, view, self.spill_end)
-                        view, self.spill_end = view[k:], self.spill_end + k
-                parts = [("spill", off)]
+                self.spill_end += size
             else:
                 self.mem += size
-            self.pending.setdefault(j, []).append((entry, parts, lengths, size))
-
-    def _flush(self, j: int) -> None:
-        for entry, parts, lengths, size in self.pending.pop(j, []):
-            if not isinstance(parts[0], tuple):
-                self.mem -= size
-            self._write(entry, parts, lengths, size)
+            self.pending.setdefault(j, []).append(
+                (entry, [("spill", off)] if spill else parts, lengths, size)
+            )
+        if spill:  # the range is this thread's; the writer reads it after record_done(j)
+            for part in parts:
+                view = memoryview(part).cast("B")
+                while len(view):
+                    k = os.pwrite(self.spill_fd, view, off)
+                    view, off = view[k:], off + k
 
     def record_done(self, j: int) -> None:
-        with self.lock:
+        with self.cv:
+            self._raise_if_failed()
             self.done.add(j)
-            while self.next in self.done:
-                self.done.discard(self.next)
+            if self.thread is None:  # lazily: a writer dropped unused leaves no thread
+                self.thread = threading.Thread(
+                    target=self._run, name=f"blob-{self.w.path.name}", daemon=True
+                )
+                self.thread.start()
+            if j == self.next:
+                self.cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self.cv:
+                while self.next not in self.done and not self.stopping and not self.dropping:
+                    self.cv.wait()
+                if self.dropping or self.next not in self.done:
+                    return
+                j = self.next
+                self.done.discard(j)
                 self.next += 1
-                self._flush(self.next)
+                items = self.pending.pop(j, [])
+            try:
+                for entry, parts, lengths, size in items:
+                    self._write(entry, parts, lengths, size)
+            except BaseException as exc:  # handed to the request threads and to close
+                with self.cv:
+                    self.error = exc
+                    self.cv.notify_all()
+                return
+            freed = sum(size for _, parts, _, size in items if not isinstance(parts[0], tuple))
+            with self.cv:
+                self.mem -= freed
 
     def _write(self, entry: list[int], parts: list, lengths: list[int], size: int) -> None:
         w = self.w
@@ -643,15 +692,26 @@ class _OrderedBlob:
                 view = memoryview(part).cast("B")
                 w._pwrite_at(pos, view)
                 pos += len(view)
-        row = np.array([*entry[1:], self.end, *lengths], dtype=np.int64)
-        w._pwrite("frames", 8 * w.frame_width * entry[0], memoryview(row).cast("B"))
+        self.table[entry[0]] = [*entry[1:], self.end, *lengths]
         self.end += size
 
-    def close(self) -> int:
+    def close(self, drop: bool = False) -> int:
+        """Stop the writer thread: after it has written every record marked done, or, with
+        ``drop`` (abort), after the record it is writing.  Writes the frame table (unless
+        dropped); returns the blob's size.  Raises the writer's error."""
+        with self.cv:
+            self.stopping, self.dropping = True, drop
+            self.cv.notify_all()
+            thread = self.thread
+        if thread is not None:
+            thread.join()
         if self.spill_fd >= 0:
             os.close(self.spill_fd)
             self.spill_fd = -1
         self.spill_path.unlink(missing_ok=True)
+        if not drop:
+            self._raise_if_failed()
+            self.w._pwrite("frames", 0, memoryview(self.table).cast("B"))
         return self.end
 
 
