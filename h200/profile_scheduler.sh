@@ -16,11 +16,15 @@
 # PROFILE_ARGS (py-spy's, in place of --threads), PROFILE_RATE (Hz), PROFILE_DELAY (seconds
 # from its start, instead of the GPU's busy). A chunk job's GIL: the first jobs start with
 # the workflow and wait for the server's load (~60 s in a rate-table cell; 6 s caught only
-# that wait, 2026-12-07), so wait past it:
-#   PROFILE_MATCH=extract_chunk PROFILE_NAME=job PROFILE_ARGS="--gil --threads" \
+# that wait, 2026-12-07), so wait past it; the pattern names the job's Python process (a
+# bare "extract_chunk" also matches the shells Snakemake runs it from, which py-spy refuses:
+# "Failed to find python version"):
+#   PROFILE_MATCH="python.*extract_chunk" PROFILE_NAME=job PROFILE_ARGS="--gil --threads" \
 #   PROFILE_RATE=50 PROFILE_DELAY=75 bash h200/profile_scheduler.sh
 #   python3 bench/scheduler_profile.py --gil 50 job1.txt ...   (the share it held the GIL)
-# The device returns at most a few files: delete what you do not need from $OUT first.
+# The device returns at most 8 files: pack the job*.txt files into one archive, delete the
+# rest you do not need from $OUT first (and end the profiler with `pkill -x py-spy`: a
+# `pkill -f` pattern also matches the device call's own shell, whose command line holds it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 D=.devcarry/pyspy
