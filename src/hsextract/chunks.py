@@ -620,8 +620,8 @@ class _OrderedBlob:
         err = self.error
         if err is None:
             return
-        if isinstance(err, OSError):  # a disk's error stays one (the client names the disk)
-            raise OSError(err.errno, f"{err.strerror} (writing {self.w.tmp})") from err
+        if isinstance(err, OSError):  # a disk's error stays one: the client names the file
+            raise OSError(err.errno, err.strerror, err.filename) from err
         raise ChunkFileError(f"{self.w.path}: writing the blob failed: {err!r}") from err
 
     def add(self, j: int, entry: list[int], parts: list, lengths: list[int]) -> None:
