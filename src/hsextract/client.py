@@ -1055,7 +1055,9 @@ def _extract_chunk(
             log.info("%s: waited %.1f s for a turn to send (client.sending_jobs)", name, waited)
         futures = [pool.submit(one, j) for j in range(len(records))]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        drained_at = time.time()  # the last response is in (and its rows written)
+        # The last response is in and its rows handed to the writer (with a codec, the blob's
+        # thread may still be writing them: finish waits for it).
+        drained_at = time.time()
         turn.release()  # an empty chunk, or one that failed
         if first_error:
             for g in futures:
@@ -1130,7 +1132,8 @@ def _extract_chunk(
         "waited_for_server_s": round(client.waited_for_server, 3),
         # Seconds summed over the requests: held in the window, of which waiting for
         # /dev/shm room, from the POST to its answer, and from there to its pieces all
-        # written and opened; the rest is this job's own work (checked, encoded, written).
+        # written and opened; the rest is this job's own work (checked, encoded, and
+        # written, or with a codec queued for the blob's writer thread).
         # Over the sending phase, the requests in flight in each on average: whether the
         # server or the client holds the window (issue 40).
         "request_s": {
