@@ -63,6 +63,15 @@ _ST_DTYPES = {
 }
 
 
+def _pwrite_all(fd: int, data: memoryview, pos: int) -> None:
+    """All of ``data`` at ``pos``, in slices: one pwrite of a whole record (hundreds of MB)
+    runs at a fraction of the page-cache speed that a few-MB pwrite gets (bench/pack.py)."""
+    data = memoryview(data).cast("B")
+    while len(data):
+        n = os.pwrite(fd, data[:_WRITE_SLICE], pos)
+        data, pos = data[n:], pos + n
+
+
 def _copy(src: int, at: int, nbytes: int, dst: int, pos: int, name: str) -> None:
     buf = memoryview(bytearray(min(nbytes, _WRITE_SLICE)))
     end = at + nbytes
@@ -70,11 +79,8 @@ def _copy(src: int, at: int, nbytes: int, dst: int, pos: int, name: str) -> None
         n = os.preadv(src, [buf[: end - at]], at)
         if n <= 0:
             raise ChunkFileError(f"{name}: file ends at byte {at}, expected {end}")
-        data = buf[:n]
-        while len(data):
-            m = os.pwrite(dst, data, pos)
-            data, pos = data[m:], pos + m
-        at += n
+        _pwrite_all(dst, buf[:n], pos)
+        at, pos = at + n, pos + n
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
@@ -298,19 +304,13 @@ class ChunkWriter:
         self._pwrite_at(self.data_start + self.base[name] + at, data)
 
     def _pwrite_at(self, pos: int, data: memoryview) -> None:
-        # In slices: one pwrite of a whole record (hundreds of MB) runs at a fraction of the
-        # page-cache speed that a few-MB pwrite gets (measured: bench/pack.py).
         # One pwrite at a time per file: a buffered write holds the file's inode lock, and
         # a second writer spins on it (the kernel's optimistic rwsem spinning) rather than
         # sleep, so sender threads writing into one chunk burned ~2x the CPU a byte for no
         # more throughput (issue 40; bench/piece_path.py).  This lock's waiters sleep.
-        data = memoryview(data).cast("B")
-        nbytes = len(data)
         with self._write_lock:
-            while len(data):
-                n = os.pwrite(self.fd, data[:_WRITE_SLICE], pos)
-                data, pos = data[n:], pos + n
-        self._wrote(nbytes)
+            _pwrite_all(self.fd, data, pos)
+        self._wrote(memoryview(data).nbytes)
 
     def _wrote(self, nbytes: int) -> None:
         """Count bytes written to the file (every write of the writer comes here); past
@@ -642,9 +642,8 @@ class _OrderedBlob:
         if spill:  # the range is this thread's; the writer reads it after record_done(j)
             for part in parts:
                 view = memoryview(part).cast("B")
-                while len(view):
-                    k = os.pwrite(self.spill_fd, view, off)
-                    view, off = view[k:], off + k
+                _pwrite_all(self.spill_fd, view, off)
+                off += len(view)
 
     def record_done(self, j: int) -> None:
         with self.cv:
