@@ -37,14 +37,25 @@ def _samples(path: Path) -> list[dict]:
 
 
 def test_a_process_running_extract_chunk_is_a_chunk_job() -> None:
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()",
-                              "extract_chunk"], stdin=subprocess.PIPE)  # fmt: skip
+    # Popen returns while the kernel may still be setting up the new image (its cmdline
+    # empty): each child's first line says it runs, and only then is it read.  Two
+    # children, not this process, because pytest's own cmdline may name this test.
+    up = "import sys; print('up', flush=True); sys.stdin.read()"
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", up, arg], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        for arg in ("extract_chunk", "other_work")
+    ]
     try:
-        assert _module().group_of(child.pid) == "chunk job"
-        assert _module().group_of(os.getpid()) != "chunk job"
+        for child in children:
+            assert child.stdout.readline().strip() == b"up"
+        assert _module().group_of(children[0].pid) == "chunk job"
+        assert _module().group_of(children[1].pid) != "chunk job"
     finally:
-        child.stdin.close()
-        child.wait(timeout=30)
+        for child in children:
+            child.stdin.close()
+            child.wait(timeout=30)
 
 
 def test_a_spinning_process_is_counted_near_one_core(tmp_path: Path) -> None:
