@@ -63,13 +63,16 @@ _ST_DTYPES = {
 }
 
 
-def _pwrite_all(fd: int, data: memoryview, pos: int) -> None:
-    """All of ``data`` at ``pos``, in slices: one pwrite of a whole record (hundreds of MB)
-    runs at a fraction of the page-cache speed that a few-MB pwrite gets (bench/pack.py)."""
+def _pwrite_all(fd: int, data, pos: int) -> int:
+    """All of ``data`` (any buffer) at ``pos``, in slices; its size in bytes.  Slices: one
+    pwrite of a whole record (hundreds of MB) runs at a fraction of the page-cache speed
+    that a few-MB pwrite gets (bench/pack.py)."""
     data = memoryview(data).cast("B")
+    nbytes = len(data)
     while len(data):
         n = os.pwrite(fd, data[:_WRITE_SLICE], pos)
         data, pos = data[n:], pos + n
+    return nbytes
 
 
 def _copy(src: int, at: int, nbytes: int, dst: int, pos: int, name: str) -> None:
@@ -309,8 +312,8 @@ class ChunkWriter:
         # sleep, so sender threads writing into one chunk burned ~2x the CPU a byte for no
         # more throughput (issue 40; bench/piece_path.py).  This lock's waiters sleep.
         with self._write_lock:
-            _pwrite_all(self.fd, data, pos)
-        self._wrote(memoryview(data).nbytes)
+            nbytes = _pwrite_all(self.fd, data, pos)
+        self._wrote(nbytes)
 
     def _wrote(self, nbytes: int) -> None:
         """Count bytes written to the file (every write of the writer comes here); past
@@ -641,9 +644,7 @@ class _OrderedBlob:
             )
         if spill:  # the range is this thread's; the writer reads it after record_done(j)
             for part in parts:
-                view = memoryview(part).cast("B")
-                _pwrite_all(self.spill_fd, view, off)
-                off += len(view)
+                off += _pwrite_all(self.spill_fd, part, off)
 
     def record_done(self, j: int) -> None:
         with self.cv:
