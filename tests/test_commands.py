@@ -46,8 +46,9 @@ def _user_config(tmp_path: Path) -> Path:
 
 
 def _readme_config_entries() -> list[str]:
-    """Every `--config ...` the README shows, as the words a shell passes."""
-    text = (REPO / "README.md").read_text()
+    """Every `--config ...` the README and docs/ show, as the words a shell passes."""
+    docs = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    text = "\n".join(p.read_text() for p in docs)
     entries = []
     for span in re.findall(r"`([^`\n]*--config [^`\n]*)`", text):
         try:

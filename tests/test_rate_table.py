@@ -32,8 +32,8 @@ def _bench():
 
 
 def _readme_block() -> str:
-    text = (REPO / "README.md").read_text()
-    assert text.count(BEGIN) == 1 and text.count(END) == 1, "the README's rate table markers"
+    text = (REPO / "docs" / "sglang.md").read_text()
+    assert text.count(BEGIN) == 1 and text.count(END) == 1, "docs/sglang.md's rate table markers"
     return text.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n")
 
 
@@ -42,7 +42,7 @@ def test_readme_rate_table_is_what_the_committed_csvs_render():
     csvs = rt.committed_csvs()
     block = _readme_block()
     assert block == rt.render(csvs), (
-        "README's rate table is stale: paste python bench/rate_table.py --render"
+        "docs/sglang.md's rate table is stale: paste python bench/rate_table.py --render"
     )
     if not csvs:  # nothing measured yet: the README says so, and holds no figure
         assert block == rt.NONE_YET and "No cell has been measured yet" in block

@@ -1,4 +1,4 @@
-"""Every command the READMEs print runs as printed.
+"""Every command the READMEs and docs/*.md print runs as printed.
 
 Each command is read from the Markdown (fenced blocks and inline code that starts with a
 program) and checked against the parser of the program it calls: Snakemake's own (with
@@ -29,7 +29,12 @@ try:
 except ModuleNotFoundError:  # Python 3.10: pytest's own dependency
     import tomli as tomllib
 
-DOCS = ("README.md", "bench/README.md", "h200/README.md")
+DOCS = (
+    "README.md",
+    "bench/README.md",
+    "h200/README.md",
+    *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md")),
+)
 PYTHONS = ("python", "python3", ".venv/bin/python")
 PROGRAMS = ("snakemake", "hsextract", "bash", "pip", "apt-get", ".", *PYTHONS)
 # Code spans that start like a command but are not one to run here, and why.
@@ -198,9 +203,9 @@ def test_every_doc_has_its_commands_found():
 
 
 def test_not_run_spans_are_still_there():
-    text = " ".join((REPO / "README.md").read_text().split())
+    text = " ".join(" ".join((REPO / doc).read_text().split()) for doc in DOCS)
     for span in NOT_RUN:
-        assert f"`{span}`" in text, f"{span!r} left the README: drop it from NOT_RUN"
+        assert f"`{span}`" in text, f"{span!r} left the docs: drop it from NOT_RUN"
 
 
 def test_main_job_command_installs_only_the_package():

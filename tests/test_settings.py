@@ -35,8 +35,9 @@ def test_generated_schema_and_readme_table_are_up_to_date():
         "schemas/config.schema.yaml is stale: python -m hsextract.settings --schema > "
         "schemas/config.schema.yaml"
     )
-    assert settings.readme_table() in (REPO / "README.md").read_text(), (
-        "README's settings table is stale: paste python -m hsextract.settings --readme-table"
+    assert settings.readme_table() in (REPO / "docs" / "configuration.md").read_text(), (
+        "docs/configuration.md's settings table is stale: paste python -m hsextract.settings "
+        "--readme-table"
     )
     types = REPO / "src" / "hsextract" / "config_types.py"
     assert types.read_text() == settings.python_types(), (

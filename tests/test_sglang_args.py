@@ -464,7 +464,7 @@ def test_declared_pins_are_the_wheels(release: str, release_pkg: Path) -> None:
 def test_readme_release_table_is_the_declarations() -> None:
     """The README's per-release table (live or source-checked, torch, design) says what
     the declarations say: live only where the torch pin is the H200 image's 2.11.0."""
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "sglang.md").read_text()
     rows = re.findall(r"^\| (0\.5\.[\w.]+) \| ([^|]+) \| ([\d.]+) \| `(\w+)` \|", readme, re.M)
     assert [r[0] for r in rows] == list(versions.known())
     for version, live, torch_pin, design in rows:
