@@ -159,3 +159,53 @@ def test_without_abort_the_server_would_recreate_the_pieces(held_engine):
 
     left = _until(written, "the pieces of the passes after the walk-away")
     assert sum(Path(dump / rid / n).stat().st_size for n in left) > 0
+
+
+def test_each_request_takes_the_timeout_the_client_holds_when_it_sends(tmp_path):
+    """The retry above raises ``client.timeout`` in its ``ensure()``; on 51ddea2 the
+    plain-HTTP path kept the timeout it was built with, so the retry still ran on 5 s and
+    failed on a loaded machine.  Here the server reads, as each request arrives, the
+    timeout of the client's socket: the one the client held when it sent, first on a new
+    connection, then on the same kept-alive one."""
+    import http.server
+
+    cfg = typed(load_config(Path(__file__).resolve().parents[1] / "config.yaml"))
+    cfg = replace(cfg, client=replace(cfg.client, request_timeout_s=5.0))
+    seen: list[list[float | None]] = []
+    holder: dict = {}
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive: the second request reuses the socket
+
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers["Content-Length"]))
+            conns = holder["client"]._http._all
+            seen.append([c.sock.gettimeout() for c in conns if c.sock is not None])
+            body = b'{"ok": true}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    serving = threading.Thread(target=httpd.serve_forever, daemon=True)
+    serving.start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        state = {"url": url, "spec": {"dump_dir": str(tmp_path / "dump")}}
+        client = holder["client"] = Client(cfg, None, lambda: state)  # type: ignore[arg-type]
+        try:
+            for timeout in (77.0, 33.0):
+                client.timeout = timeout
+                status, _ = client._post_json(url, "/generate", {"rid": "r"})
+                assert status == 200
+                assert seen[-1] == [timeout], seen
+            assert len(client._http._all) == 1  # the second went over the first's socket
+        finally:
+            client.close()
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

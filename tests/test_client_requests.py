@@ -204,10 +204,10 @@ def test_the_direct_path_keeps_one_connection_and_reopens_a_closed_one(closes):
     closed while idle is noticed and reopened, not reported as a failed request (which
     would cost a retry with backoff)."""
     srv, url, seen = _serve(closes)
-    http = client._DirectHttp({"Authorization": "Bearer k"}, timeout=10)
+    http = client._DirectHttp({"Authorization": "Bearer k"})
     try:
         for i in range(5):
-            status, data = http.post(url, "/generate", b'{"rid": "r%d"}' % i)
+            status, data = http.post(url, "/generate", b'{"rid": "r%d"}' % i, 10.0)
             assert status == 200 and b"meta_info" in data
         assert [s[:2] for s in seen] == [("/generate", b'{"rid": "r%d"}' % i) for i in range(5)]
         assert len({port for _, _, port in seen}) == (5 if closes else 1)  # connections
@@ -221,9 +221,9 @@ def test_a_refused_connection_is_transient():
     srv, url, _ = _serve(False)
     srv.shutdown()
     srv.server_close()  # nobody listens on that port now
-    http = client._DirectHttp({}, timeout=5)
+    http = client._DirectHttp({})
     with pytest.raises(TransientError, match="connection failed: ConnectionRefusedError"):
-        http.post(url, "/generate", b"{}")
+        http.post(url, "/generate", b"{}", 5.0)
 
 
 def test_requests_still_carries_what_the_environment_says(monkeypatch):

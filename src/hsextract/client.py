@@ -566,14 +566,13 @@ class _DirectHttp:
     connection and is a ``TransientError``, as requests' connection errors were.
     """
 
-    def __init__(self, headers: dict[str, str], timeout: float) -> None:
+    def __init__(self, headers: dict[str, str]) -> None:
         self.headers = {"Content-Type": "application/json", **headers}
-        self.timeout = timeout
         self._local = threading.local()
         self._all: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
 
-    def _conn(self, url: str) -> http.client.HTTPConnection:
+    def _conn(self, url: str, timeout: float) -> http.client.HTTPConnection:
         loc = self._local
         conn = getattr(loc, "conn", None)
         if conn is not None and (loc.url != url or _dropped(conn)):
@@ -582,15 +581,21 @@ class _DirectHttp:
         if conn is None:
             parts = urllib.parse.urlsplit(url)
             conn = http.client.HTTPConnection(
-                parts.hostname or "", parts.port or 80, timeout=self.timeout
+                parts.hostname or "", parts.port or 80, timeout=timeout
             )
             loc.conn, loc.url, loc.base = conn, url, parts.path.rstrip("/")
             with self._lock:
                 self._all.append(conn)
+        # The timeout of this request, not the one the connection was opened with: a
+        # retry after ensure() may be given a longer one (a kept-alive socket, a reconnect).
+        conn.timeout = timeout
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout)
         return conn
 
-    def post(self, url: str, path: str, body: bytes) -> tuple[int, bytes]:
-        conn = self._conn(url)
+    def post(self, url: str, path: str, body: bytes, timeout: float) -> tuple[int, bytes]:
+        """POST ``body``; ``timeout``: seconds for the connection and for the answer."""
+        conn = self._conn(url, timeout)
         reused = conn.sock is not None
         try:
             try:
@@ -609,7 +614,7 @@ class _DirectHttp:
         except TimeoutError as exc:
             conn.close()
             raise TransientError(
-                f"no answer within {self.timeout:.0f}s (client.request_timeout_s)"
+                f"no answer within {timeout:.0f}s (client.request_timeout_s)"
             ) from exc
         except http.client.IncompleteRead as exc:
             # The headers came and the body did not: the server died mid-answer (another
@@ -679,7 +684,7 @@ class Client:
             self.session.headers["Authorization"] = f"Bearer {cfg.server.api_key}"
         self.timeout = float(cfg.client.request_timeout_s)
         auth = {"Authorization": f"Bearer {cfg.server.api_key}"} if cfg.server.api_key else {}
-        self._http = _DirectHttp(auth, self.timeout)
+        self._http = _DirectHttp(auth)
         #: Per server url: whether its POSTs may take the direct path (``_direct_ok``).
         self._direct: dict[str, bool] = {}
         self.piece_timeout = float(cfg.client.piece_timeout_s)
@@ -726,7 +731,7 @@ class Client:
         if direct is None:
             direct = self._direct[url] = _direct_ok(url, self.session.trust_env)
         if direct:
-            return self._http.post(url, path, orjson.dumps(body))
+            return self._http.post(url, path, orjson.dumps(body), self.timeout)
         import requests
 
         try:
