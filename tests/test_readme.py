@@ -43,8 +43,10 @@ NOT_RUN = {
     "python -m sglang.launch_server": "SGLang's own server, which hsextract starts",
 }
 # Placeholders: the ones in angle brackets are replaced in the text, the synopsis' capitals
-# (`hsextract status [--configfile F]`) as whole words.  FP is the demo's fingerprint.
+# (`hsextract status [--configfile F]`) as whole words.  FP is the demo's fingerprint;
+# <checkout> is where the user cloned hsextract (a command run from their own directory).
 ANGLED = {
+    "<checkout>": str(REPO),
     "<chunk file>": "results/FP/hidden/chunk_00000.safetensors",
     "<chunk>": "results/FP/hidden/chunk_00000.safetensors",
     "<manifest>": "results/FP/manifest.json",
@@ -147,8 +149,8 @@ def doc_commands(doc: str, mixed: list[str]) -> list[Command]:
     prose = fence.sub(lambda m: "\n" * m.group(0).count("\n"), text)
     for span in re.finditer(r"`([^`]+)`", prose):
         code = " ".join(span.group(1).split())
-        if code in NOT_RUN:
-            continue
+        if code in NOT_RUN or code.startswith(('"', "'")):
+            continue  # a quoted span is a value (a default: `"python"`), not a command
         where = f"{doc}:{prose.count(chr(10), 0, span.start()) + 1}"
         commands.extend(_commands_of(code, where, inline=True))
     return commands
@@ -220,7 +222,7 @@ def test_main_job_command_installs_only_the_package():
 
 def test_ci_runs_the_readme_test_command_verbatim():
     lines = (REPO / "README.md").read_text().splitlines()
-    demo_cmd, test_cmd = [line for line in lines[:20] if "python3 -m venv" in line]
+    demo_cmd, test_cmd = [line for line in lines[:30] if "python3 -m venv" in line]
     assert demo_cmd.endswith("snakemake -j1 extract_all")
     assert "pytest" in test_cmd
     ci = (REPO / ".ci" / "run").read_text().splitlines()
