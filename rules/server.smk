@@ -36,7 +36,7 @@ rule gpu_gate:
 # settings name one of its outputs, so a changed chunked-prefill size or SGLang flag
 # reruns it and the next server uses it; finished chunks are kept (the plan decides).
 # On a cluster (per_node, common.smk) it runs on the head node and only records the spec:
-# every node allocation starts its own server (README, "Beyond one node").
+# every node allocation starts its own server (docs/slurm.md).
 rule launch_server:
     input:
         gate=run_path("state/gpu_gate.json"),

@@ -157,14 +157,14 @@ class StaleConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ExportConfig:
-    """``export``: rules/export.smk (README, Exports)."""
+    """``export``: rules/export.smk (docs/output.md)."""
 
     specforge: ExportSpecforgeConfig = field(default_factory=ExportSpecforgeConfig)
 
 
 @dataclass(frozen=True, kw_only=True)
 class StreamConfig:
-    """``stream``: train while extracting (src/hsextract/stream/DESIGN.md, README); off while budget_gb is null."""
+    """``stream``: train while extracting (docs/streaming.md; the protocol: src/hsextract/stream/DESIGN.md); off while budget_gb is null."""
 
     #: most GB of chunk files not yet acknowledged by the trainer; a chunk job waits before sending past it; null = off (an offline run)
     budget_gb: float | None = None
@@ -192,7 +192,7 @@ class SglangConfig:
     version: str | None = None
     #: tensor-parallel GPUs [launch spec] (sglang engine; else neither)
     tp_size: int = 1
-    #: data-parallel workers of the one server (SGLang --dp-size; the reference engine runs as many worker processes): dp x tp GPUs per node; client.requests_in_flight and dump.shm_budget_gb are per worker (README, Data-parallel replicas) [launch spec]
+    #: data-parallel workers of the one server (SGLang --dp-size; the reference engine runs as many worker processes): dp x tp GPUs per node; client.requests_in_flight and dump.shm_budget_gb are per worker (docs/sglang.md, Data-parallel replicas) [launch spec]
     dp_size: int = 1
     #: SGLang --mem-fraction-static [launch spec] (sglang engine; else neither)
     mem_fraction_static: float | None = None

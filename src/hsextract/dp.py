@@ -120,7 +120,7 @@ def _allocation_hint(env: dict[str, str]) -> str:
     if env.get("SLURM_JOB_ID"):
         return (
             f" (SLURM job {env['SLURM_JOB_ID']}'s allocation): give extract_chunk gpu = "
-            "dp x tp in profiles/slurm/config.yaml (README, Beyond one node)"
+            "dp x tp in profiles/slurm/config.yaml (docs/slurm.md)"
         )
     return "; list more devices, or lower sglang.dp_size / tp_size"
 

@@ -286,7 +286,7 @@ def infer(pkg: Path, version: str | None = None) -> SglangVersion:
         f"no other design fits either). What differs: "
         + "; ".join(c.need for c in failed)
         + f". Install a supported release ({', '.join(versions.known())}), or declare it "
-        "under src/hsextract/sglang/versions/ (README: adding an SGLang release)"
+        "under src/hsextract/sglang/versions/ (docs/sglang.md: adding a release)"
     )
 
 
