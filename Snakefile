@@ -21,6 +21,7 @@ include: "rules/demo.smk"
 include: "rules/data.smk"
 include: "rules/server.smk"
 include: "rules/extract.smk"
+include: "rules/audit.smk"
 include: "rules/report.smk"
 include: "rules/export.smk"
 
@@ -70,6 +71,8 @@ rule extract_all:
         # hash this rule's whole input list once per input (rules.py, expand_input), which
         # made `snakemake -n` quadratic: 355 s vs 38 s bare at 51,200 chunks (bench/README).
         report=[str(f) for f in rules.report_figures.output],
+        # The audit's outcome (audit.records: 0 turns it off): rules/audit.smk.
+        audit=audit_target(),
     default_target: True
 
 

@@ -9,6 +9,8 @@ rule report_figures:
         server=run_path("state/server.json"),
         # epochs_mode regenerate: the report counts re-extracted chunks matching pass 1's.
         passes=pass_receipts(),
+        # After the audit, whose table the run page shows (none with audit.records: 0).
+        audit=audit_target(),
     output:
         lengths=report(run_path("report/lengths.png"), caption="../report/lengths.rst", category="1. Data"),
         rejects=report(run_path("report/rejects.png"), caption="../report/rejects.rst", category="1. Data"),

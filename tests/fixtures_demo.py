@@ -72,9 +72,13 @@ def run_snakemake(workdir: Path, *args: str, check: bool = True, timeout: float 
 
 
 def make_workdir(path: Path, **overrides) -> Path:
-    """A workdir with the repo's config.yaml (plus overrides) and its own results/."""
+    """A workdir with the repo's config.yaml (plus overrides) and its own results/.
+
+    The audit stage is off unless ``audit.records`` is given: it costs each full run a few
+    seconds of CPU, and only the demo fixture and tests/test_audit.py are about it."""
     path.mkdir(parents=True, exist_ok=True)
     cfg = yaml.safe_load((REPO / "config.yaml").read_text())
+    overrides.setdefault("audit.records", 0)
     for key, value in overrides.items():
         node = cfg
         parts = key.split(".")
@@ -97,6 +101,7 @@ def own_config(demo_run: dict, root: Path, **extra) -> dict:
         "engine": "reference",
         "model": {"path": str(wd / "results" / "demo" / "model"), "dtype": "float32"},
         "server": {"chunked_prefill_size": 64},
+        "audit": {"records": 0},  # as make_workdir: on only where it is the subject
     }
     cfg.update(extra)
     return cfg
@@ -130,7 +135,8 @@ def planned_jobs(dry_run_stdout: str) -> dict[str, int]:
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory) -> dict:
     """One full `snakemake -j1 extract_all` of the embedded default, shared by the tests."""
-    workdir = make_workdir(tmp_path_factory.mktemp("demo"))
+    # The audit on, as the shipped config has it (tests/test_audit.py reads its outcome).
+    workdir = make_workdir(tmp_path_factory.mktemp("demo"), **{"audit.records": 16})
     proc = run_snakemake(workdir, "-j1", "extract_all")
     rd = run_dir_of(workdir)
     manifest = json.loads((rd / "manifest.json").read_text())
@@ -151,6 +157,11 @@ def demo_copy(demo_run, tmp_path) -> dict:
     # Snakemake's metadata records absolute paths of the original dir; the copy starts clean.
     shutil.rmtree(dst / ".snakemake", ignore_errors=True)
     rd = dst / demo_run["run_dir"].relative_to(src)
+    # The audit off (a rerun that changes the manifest would audit again): tests about it
+    # turn it back on (tests/test_audit.py).
+    cfg = yaml.safe_load((dst / "config.yaml").read_text())
+    cfg["audit"]["records"] = 0
+    (dst / "config.yaml").write_text(yaml.safe_dump(cfg))
     return {"workdir": dst, "run_dir": rd, "manifest": demo_run["manifest"]}
 
 

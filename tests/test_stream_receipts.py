@@ -475,7 +475,7 @@ def test_acked_deleted_chunks_are_done_and_a_payload_lost_before_its_ack_is_redo
         assert Counter(ln["chunk"] for ln in lines) == {f"chunk_{i:05d}": 1 for i in range(4)}
         # No chunk to redo (the manifest follows the new sidecar, as offline).
         dry = planned_jobs(run_snakemake(wd, "-n", "extract_all").stdout)
-        assert set(dry) <= {"manifest", "report_figures", "extract_all"}, dry
+        assert set(dry) <= {"manifest", "audit", "report_figures", "extract_all"}, dry
     finally:
         kill_processes_under(wd)
 

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.workflow
 STAGES = {
     "demo_data", "demo_model", "merge_and_shuffle", "publish_merge", "split_chunks",
     "delete_stale_states", "preflight_budget", "apply_patch", "gpu_gate", "launch_server",
-    "manifest", "report_figures", "extract_all",
+    "manifest", "audit", "report_figures", "extract_all",
 }  # fmt: skip
 
 
@@ -110,7 +110,7 @@ def test_rerun_of_one_deleted_chunk_reruns_only_it(demo_copy):
     victim = manifest["chunks"][2]["path"]
     (rd / victim).unlink()
     plan = planned_jobs(run_snakemake(workdir, "-n", "extract_all").stdout)
-    want = {"extract_chunk": 1, "manifest": 1, "report_figures": 1, "extract_all": 1}
+    want = {"extract_chunk": 1, "manifest": 1, "audit": 1, "report_figures": 1, "extract_all": 1}
     assert plan == want, plan
     run_snakemake(workdir, "-j1", str((rd / victim).relative_to(workdir)))
     for path, (sha, mtime) in before.items():

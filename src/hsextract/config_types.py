@@ -163,6 +163,14 @@ class ExportConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AuditConfig:
+    """``audit``: a sample of the run's states against HF transformers' forward of model.path (src/hsextract/audit.py, docs/audit.md)."""
+
+    #: records the audit stage recomputes with HF's forward of model.path and compares with what was stored, seeded and spread over the chunks; 0 = off (the run is then unaudited, and hsextract status says so)
+    records: int = 16
+
+
+@dataclass(frozen=True, kw_only=True)
 class StreamConfig:
     """``stream``: train while extracting (docs/streaming.md; the protocol: src/hsextract/stream/DESIGN.md); off while budget_gb is null."""
 
@@ -238,6 +246,7 @@ class Config:
     gpu: GpuConfig = field(default_factory=GpuConfig)
     stale: StaleConfig = field(default_factory=StaleConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
     stream: StreamConfig = field(default_factory=StreamConfig)
     sglang: SglangConfig = field(default_factory=SglangConfig)
     #: The validated dict this was built from: what the fingerprint and the

@@ -112,7 +112,10 @@ class ModelRunner:
         # Aux index L is the stream leaving the last layer, before the final norm: HF's
         # hidden_states end with the *normed* state, so the norm's input is taken by a hook.
         self._prenorm: torch.Tensor | None = None
-        if prenorm_layer(self.num_layers) in self.aux_layers:
+        # (tests only: a capture fault storing the pre-norm state as the final one needs it)
+        if prenorm_layer(self.num_layers) in self.aux_layers or (
+            faults.ACTIVE and faults.capture_needs_prenorm()
+        ):
             self.model.model.norm.register_forward_pre_hook(self._take_prenorm)
         self.writer = writer
         self.batch_invariant = batch_invariant
@@ -149,6 +152,11 @@ class ModelRunner:
             rows = [self._forward([r], [n])[0] for r, n in zip(reqs, lens, strict=True)]
         else:
             rows = self._forward(reqs, lens)
+        if faults.ACTIVE:  # tests only: a capture that is wrong (the audit must catch it)
+            rows = [
+                (ids, faults.captured(r.rid, hs, self.aux_layers, self.num_layers))
+                for r, (ids, hs) in zip(reqs, rows, strict=True)
+            ]
         if self.writer is not None:
             flat_ids = torch.cat([ids for ids, _ in rows])
             final = torch.cat([hs[-1] for _, hs in rows])

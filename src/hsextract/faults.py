@@ -29,6 +29,10 @@ Spec (every key optional)::
         {"do": "wait", "gate": "/tmp/x/loaded", "timeout_s": 600},
         {"do": "exit", "code": 3}
       ],
+      "capture": [                   # what the engine captures of a matching request
+        {"rid": "chunk_00001-000003", "do": "layer_off_by_one" | "final_prenorm"
+                                            | "shift_positions", "layer": 4}
+      ],
       "extend": [                    # after each extend pass holding a matching request
         {"rid": "chunk_00001", "nth": [1], "do": "slow" | "kill", "seconds": 3},
         {"rid": "chunk_00001", "nth": [1], "do": "wait", "gate": "/tmp/x/go",
@@ -57,6 +61,12 @@ list, or ``"all"``, the default).  Actions:
 - load ``wait``: the engine loads its model (and answers /health) only once the file
   ``gate`` exists -- a slow model load, on an event; load ``exit``: it exits with ``code``
   (default 3) before loading, as a server refusing a flag or out of memory would;
+- capture ``layer_off_by_one``: aux layer ``layer`` (default: the first captured) is
+  stored from the stream entering the next layer; ``final_prenorm``: the final state is
+  stored before the final norm instead of after it; ``shift_positions``: the request's
+  states are stored one position late (row t holds token t-1's; a pass's first row its
+  last's).  Wrong at capture time, every check of the
+  capture passes them (token parity, shapes, finite values, sha256): the audit's subject;
 - ``wait``: the scheduler stops after the pass until the file ``gate`` exists (the fault
   is logged when the wait begins, so a test sees the server held mid-request and releases
   it by creating the file).  A test holds a run on this event, never on a duration a slow
@@ -83,6 +93,7 @@ _PIECE_ACTIONS = {"truncate", "bad_header", "drop", "flip_id"}
 _WRITE_ACTIONS = {"enospc"}
 _EXTEND_ACTIONS = {"slow", "kill", "wait"}
 _LOAD_ACTIONS = {"wait", "exit"}
+_CAPTURE_ACTIONS = {"layer_off_by_one", "final_prenorm", "shift_positions"}
 
 
 class FaultSpecError(ValueError):
@@ -105,6 +116,7 @@ def load(raw: str | None) -> dict[str, Any] | None:
         ("chunk_write", _WRITE_ACTIONS),
         ("extend", _EXTEND_ACTIONS),
         ("load", _LOAD_ACTIONS),
+        ("capture", _CAPTURE_ACTIONS),
     ):
         for rule in spec.get(key, []):
             if rule.get("do") not in actions:
@@ -224,6 +236,39 @@ def _wait_for_gate(gate: Path, timeout_s: float, rid: str, what: str = "wait") -
             _fired("wait_timeout", rid=rid, gate=str(gate))
             return
         time.sleep(0.05)
+
+
+def _capture_rules(rid: str, do: str) -> list[dict[str, Any]]:
+    """Every capture rule of action ``do`` matching ``rid``: they hold for every pass of
+    the request (no ``nth``: a wrong capture is wrong each time)."""
+    if SPEC is None:
+        return []
+    return [r for r in SPEC.get("capture", []) if r["do"] == do and r.get("rid", "") in rid]
+
+
+def capture_needs_prenorm() -> bool:
+    """Whether a ``final_prenorm`` rule is armed: the engine then takes the norm's input."""
+    return any(r["do"] == "final_prenorm" for r in (SPEC or {}).get("capture", []))
+
+
+def captured(rid: str, hs: list, aux_layers: list[int], num_layers: int) -> list:
+    """Called by the engine per request and pass with its states (``hs[i]`` entering layer
+    i, ``hs[num_layers]`` the norm's input, ``hs[-1]`` the final state): what is captured
+    instead, wrong as the rules say."""
+    out = list(hs)
+    for rule in _capture_rules(rid, "layer_off_by_one"):
+        layer = int(rule.get("layer", aux_layers[0]))
+        out[layer] = hs[layer + 1]
+        _fired("layer_off_by_one", rid=rid, layer=layer)
+    if _capture_rules(rid, "final_prenorm"):
+        out[-1] = hs[num_layers]
+        _fired("final_prenorm", rid=rid)
+    if _capture_rules(rid, "shift_positions"):
+        # Rows, not position ids: RoPE sees only relative positions, so a forward run at
+        # positions all shifted by one computes the same states (up to rounding).
+        out = [h.roll(1, dims=0) for h in out]
+        _fired("shift_positions", rid=rid)
+    return out
 
 
 def after_generate(rid: str, length: int, dump_dir: str | None, timeout_s: float = 60) -> None:

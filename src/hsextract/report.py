@@ -348,9 +348,17 @@ def make_all(
         json.loads(Path(server).read_text()) if Path(server).exists() else {},
         out["run"],
         sidecars,
-        stream_section(root, Path(out["run"]).with_name("disk_in_use.png")),
+        (stream_section(root, Path(out["run"]).with_name("disk_in_use.png")) or "")
+        + (audit_section(root) or ""),
         _passes(root),
     )
+
+
+def audit_section(root: Path) -> str | None:
+    """The audit's table (hsextract.audit.report_section); None when the run has none."""
+    from hsextract.audit import report_section
+
+    return report_section(root)
 
 
 def _passes(root: Path) -> dict | None:

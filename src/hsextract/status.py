@@ -217,6 +217,8 @@ class Status:
     manifest: bool
     server: ServerStatus
     last_error: LastError | None
+    #: hsextract.audit.status_line: passed, FAILED (the run is unaudited), off, not run.
+    audit: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -295,6 +297,7 @@ def collect(
         manifest=(rd / "manifest.json").exists(),
         server=server_status(cfg, rd, timeout_s=probe_timeout_s),
         last_error=_newest(last_error(rd / "logs", done), interrupted, hidden),
+        audit=audit_status_line(cfg, rd),
     )
 
 
@@ -545,6 +548,12 @@ def _rate_text(r: float | None) -> str:
     return "-" if r is None else f"{r:,.0f} tok/s"
 
 
+def audit_status_line(cfg: Config, rd: Path) -> str:
+    from hsextract.audit import status_line
+
+    return status_line(cfg, rd)
+
+
 def render(st: Status) -> str:
     """The status as a few aligned lines for a person."""
     lines = [f"run       {st.run_dir} (fingerprint {st.fingerprint})"]
@@ -610,6 +619,8 @@ def render(st: Status) -> str:
         lines.append(f"server    alive and {health}: {srv.url} (pid {srv.pid}{up})")
     if srv.other_hosts:
         lines.append(f"          also recorded on host(s): {', '.join(srv.other_hosts)}")
+    if st.audit is not None:
+        lines.append(f"audit     {st.audit}")
     err = st.last_error
     if err is None:
         lines.append("error     none")

@@ -566,6 +566,8 @@ def extract_chunk(sm: Any) -> None:
         ensure=lambda: ensure_server(cfg),
     )
     log.info("chunk done: %s", json.dumps(sidecar))
+    if stream is not None and _pass_of(sm) == 1:  # before the announce: an ack may delete it
+        _audit_set_aside(cfg, sm, sidecar)
     if stream is not None:  # after the verified rename and the sidecar
         stream.announce(sidecar)
     # The log holds the progress bar; the terminal gets one line per finished chunk.
@@ -612,6 +614,18 @@ def _stream_gate(cfg: Config, sm: Any):
     )
 
 
+def _audit_set_aside(cfg: Config, sm: Any, sidecar: dict) -> None:
+    """Under a disk budget, the audit's sampled records of this chunk are copied aside
+    (hsextract.audit.set_aside): the stream may delete the chunk before the audit runs."""
+    from hsextract.audit import set_aside
+
+    kept = set_aside(
+        cfg, run_dir(cfg), Path(sm.params.hidden), sidecar["sha256"], Path(sm.input.index)
+    )
+    if kept is not None:
+        log.info("audit sample set aside: %s", kept)
+
+
 def _pass_of(sm: Any) -> int:
     """The stream pass a chunk job extracts: 1, or p for rule extract_chunk_pass."""
     return int(getattr(sm.params, "stream_pass", 1))
@@ -643,3 +657,25 @@ def report_figures(sm: Any) -> None:
             for k in ("lengths", "rejects", "chunks", "activations", "run")
         },
     )
+
+
+def audit(sm: Any) -> None:
+    """The audit stage (hsextract.audit): a sample of the run against HF's forward of the
+    model.  Refused or failed, it leaves the unaudited mark and deletes nothing."""
+    from hsextract import audit as audit_
+
+    cfg = typed(sm.config)
+    rd = run_dir(cfg)
+
+    def say(msg: str) -> None:
+        log.info("%s", msg)
+        sys.__stderr__.write(f"hsextract [audit]: {msg}\n")
+
+    try:
+        result = audit_.run(cfg, rd, Path(sm.output.audit), say=say)
+    except audit_.AuditRefused as exc:
+        audit_.mark_refused(rd, str(exc))
+        raise
+    say(audit_.status_line(cfg, rd))
+    if result.get("warning"):
+        say(result["warning"])
