@@ -21,9 +21,9 @@ gives one command per call, each with the CSV the previous call brought back.
     python bench/rate_table.py --render
     python bench/rate_table.py --quick --work /tmp/rt-quick --csv /tmp/rt-quick.csv
 
-``--render`` prints the README's table from the committed CSVs
+``--render`` prints docs/sglang.md's table from the committed CSVs
 (``bench/tables/rate_table_<device>.csv``, each row dated); tests/test_rate_table.py checks that
-the README holds exactly that, so a figure there can only come from a measurement.
+the page holds exactly that, so a figure there can only come from a measurement.
 ``--quick``: one tiny cell on this CPU (the demo's model, the reference engine, capture
 off for bare: no dump dir), what the test runs; its ratio means nothing.
 """
@@ -477,7 +477,7 @@ def main() -> None:
     ap.add_argument("--csv", default=None,
                     help="the table to fill and resume (default: WORK/rate_table.csv)")  # fmt: skip
     ap.add_argument("--render", action="store_true",
-                    help="print the README's table from the committed CSVs")  # fmt: skip
+                    help="print docs/sglang.md's table from the committed CSVs")  # fmt: skip
     ap.add_argument("--quick", action="store_true",
                     help="one tiny cell on the CPU: demo model, reference engine")  # fmt: skip
     ap.add_argument("--jobs", type=int, default=None, help="snakemake -j (8; quick 2)")

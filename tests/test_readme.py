@@ -485,3 +485,35 @@ def test_other_command_names_what_exists(cmd: Command):
     else:
         # python3 -m venv, `.` (activate), apt-get: nothing of ours to check them against.
         assert argv[0] in ("apt-get", ".") or argv[1:3] == ["-m", "venv"], f"unchecked: {cmd}"
+
+
+# --- links ---------------------------------------------------------------------------------
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to dashes."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)
+    return {_slug(m.group(1)) for m in re.finditer(r"^#+ (.+)$", text, re.M)}
+
+
+def test_every_link_between_the_docs_lands():
+    """README's "what to read next" and the pages' cross-references: each relative link
+    names a file that exists, and an anchor a heading of it (a page moved or a section
+    renamed breaks a newcomer's path silently otherwise)."""
+    broken = []
+    for doc in DOCS:
+        text = re.sub(r"^```.*?^```", "", (REPO / doc).read_text(), flags=re.M | re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue  # a web address
+            file, _, anchor = target.partition("#")
+            path = (REPO / doc).parent / file if file else REPO / doc
+            if not path.exists():
+                broken.append(f"{doc}: {target} (no such file)")
+            elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+                broken.append(f"{doc}: {target} (no such heading)")
+    assert not broken, broken
