@@ -288,7 +288,7 @@ def validate_sglang_config(cfg: Config, rel: SglangVersion | None = None) -> Non
             f"sglang.extra_args --gpu-id-step {step} refused: SGLang asserts gpu_id_step >= 1. "
             "To put several DP workers on one GPU list it once per worker in "
             "CUDA_VISIBLE_DEVICES and set SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS=1 (sglang."
-            "extra_env; README, Data-parallel replicas)"
+            "extra_env; docs/sglang.md, Data-parallel replicas)"
         )
     if rel is not None:
         _check_deterministic_alignment(cfg.sglang, cfg.server.chunked_prefill_size, rel)
