@@ -224,3 +224,66 @@ def test_the_audit_reads_the_set_aside_states_of_a_streamed_run(demo_copy):
     for c in sampled:
         assert audit.sample_file(rd, c).exists()
     assert "hsextract [audit]: passed" in out.stdout + out.stderr
+
+
+def _demo_records(demo_run, n: int = 3, tokens: int = 48) -> list[audit.Stored]:
+    """The first ``tokens`` of ``n`` demo records (a prefix's states are the record's: the
+    model is causal), for in-process forwards that stay short on a CPU."""
+    from hsextract.chunks import ChunkReader
+
+    c = demo_run["manifest"]["chunks"][0]
+    reader = ChunkReader(demo_run["run_dir"] / c["path"])
+    return [
+        audit.Stored(
+            "chunk_00000", j, str(reader[j]["id"]), reader[j]["input_ids"][:tokens].tolist()
+        )
+        for j in range(n)
+    ]
+
+
+def test_a_bf16_run_is_judged_against_bf16s_own_noise(demo_run):
+    """States as a bf16 forward gives them pass, with the bf16-vs-fp32 noise measured per
+    layer as the bound's basis; the same states with layer 2 taken one layer late fail."""
+    from transformers import AutoModelForCausalLM
+
+    path = demo_run["workdir"] / "results" / "demo" / "model"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    records = _demo_records(demo_run)
+    for r in records:
+        got = audit.forward_states(model, r.input_ids, {2, 3, 4, 5}, 8)
+        r.states = {k: got[k].to(torch.bfloat16) for k in (2, 4, 5, "final")}
+    cpu = audit.Placement("cpu", None, None, "")
+    layers = audit.measure(path, records, 8, "bfloat16", "lossless", cpu)
+    for e in layers.values():
+        assert e["verdict"] == "pass", e
+        assert e["dtype_noise"] > 0 and e["noise"] >= e["dtype_noise"], e
+    assert layers["final"]["top1_agreement"] > 0.9, layers["final"]
+    for r in records:  # the capture of layer 2 off by one
+        r.states[2] = audit.forward_states(model, r.input_ids, {3}, 8)[3].to(torch.bfloat16)
+    layers = audit.measure(path, records, 8, "bfloat16", "lossless", cpu)
+    assert [k for k, e in layers.items() if e["verdict"] == "fail"] == ["2"], layers
+    assert layers["2"]["rel_rms_worst_record"] > audit.FAIL_X * layers["2"]["noise"]
+
+
+def test_the_fp8_codec_error_is_measured_into_the_bound(demo_run):
+    """An fp32 run stored with storage.codec fp8: its states are the forward's through the
+    codec; they pass only because the codec's own error, measured on the same tensors, is
+    part of the bound (the fp32 bound alone fails them)."""
+    from transformers import AutoModelForCausalLM
+
+    from hsextract.storage import fp8_dequantize, fp8_quantize
+
+    path = demo_run["workdir"] / "results" / "demo" / "model"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    records = _demo_records(demo_run)
+    for r in records:
+        got = audit.forward_states(model, r.input_ids, {2, 4, 5}, 8)
+        r.states = {
+            k: fp8_dequantize(*fp8_quantize(got[k].float().unsqueeze(1)), torch.float32)[:, 0]
+            for k in (2, 4, 5, "final")
+        }
+    cpu = audit.Placement("cpu", None, None, "")
+    layers = audit.measure(path, records, 8, "float32", "fp8", cpu)
+    assert all(e["verdict"] == "pass" and e["codec_noise"] > 0 for e in layers.values()), layers
+    layers = audit.measure(path, records, 8, "float32", "lossless", cpu)
+    assert all(e["verdict"] == "fail" for e in layers.values()), layers

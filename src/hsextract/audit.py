@@ -317,7 +317,9 @@ def place(
 
         if server.stop_live(Path(run_dir) / "state"):
             say("stopped the extraction server to free its GPUs for the audit")
-        gate(cfg.gpu.max_used_mib, cfg.gpu.wait_s, require_nvml=cfg.engine == "sglang")
+        # At least a minute: a stopped server's ranks free their memory a moment after.
+        wait = max(cfg.gpu.wait_s, 60.0)
+        gate(cfg.gpu.max_used_mib, wait, require_nvml=cfg.engine == "sglang")
         n = torch.cuda.device_count()
         free = [torch.cuda.mem_get_info(i)[0] for i in range(n)]
         if need > sum(free):
@@ -344,8 +346,8 @@ def place(
         None,
         est,
         f"on the CPU: {passes} forward(s) of {params:,} parameters over {tokens:,} tokens, "
-        f"about {est:.1f}s of forward at the matmul rate measured now, plus loading the "
-        "weights",
+        f"at least {est:.1f}s at the matmul rate measured now (a first record's forward "
+        "gives a closer figure), plus loading the weights",
     )
 
 
@@ -481,61 +483,50 @@ def _diagnose(stored, refs: dict, key: int | str, num_layers: int) -> str | None
     return None
 
 
-def run(cfg: Any, run_dir: Path, out: Path, *, say: Callable[[str], None] = print) -> dict:
-    """Audit the run at ``run_dir``: write ``out`` (state/audit.json) and return it, or
-    write the unaudited mark and raise :class:`AuditFailed`."""
+def measure(
+    model_path: str | os.PathLike[str],
+    records: list[Stored],
+    num_layers: int,
+    run_dtype: str,
+    codec: str | None,
+    where: Placement,
+    say: Callable[[str], None] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """The figures and verdict of every stored tensor of ``records`` against HF's forward
+    of the model at ``model_path``: in float32 (the reference), and for a bf16/fp16 run
+    again in that dtype (its noise, the bound's basis), the same weights cast in place."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from hsextract.config import fingerprint, read_model_config
-
-    run_dir = Path(run_dir)
-    t_start = time.monotonic()
-    manifest = json.loads((run_dir / "manifest.json").read_text())
-    fp_now = fingerprint(cfg)
-    if manifest.get("fingerprint") not in (None, fp_now):
-        raise AuditRefused(
-            f"the model at {cfg.model.path} is not the one this run was extracted with: its "
-            f"identity (contents digest, revision, dtype) gives fingerprint {fp_now}, the "
-            f"run's is {manifest.get('fingerprint')}; put that model back, or rerun "
-            "extract_all for the new one (a new run dir)"
-        )
-    mconf = read_model_config(cfg)
-    num_layers = int(mconf["num_hidden_layers"])
-    quantized = bool(mconf.get("quantization_config"))
-    records = stored_records(cfg, run_dir, manifest, num_layers)
-    if not records:
-        raise AuditRefused(f"{run_dir}: the manifest lists no records to audit")
     keys = [k for k in records[0].states if k != "final"]
     # Neighbours and the norm's input too: a failure says what the stored tensor matches.
     wanted = set(keys) | {k + d for k in keys for d in (-1, 1) if 0 <= k + d <= num_layers}
     wanted.add(num_layers)
-    run_dtype = cfg.model.dtype
-    passes = 1 if run_dtype == "float32" else 2
     tokens = sum(len(r.input_ids) for r in records)
-    params = checkpoint_params(Path(cfg.model.path))
-    where = place(cfg, run_dir, params, tokens, passes, say)
-    n_chunks = len(manifest["chunks"])
-    say(f"auditing {len(records)} records ({tokens:,} tokens) of {n_chunks} chunks {where.text}")
-
-    t_fwd = time.monotonic()
-    AutoConfig.from_pretrained(cfg.model.path)  # a missing config says so here, in one line
     kwargs: dict[str, Any] = {"dtype": torch.float32}
     if where.device_map is not None:
         kwargs["device_map"] = where.device_map
-    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, **kwargs).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs).eval()
     if where.device_map is None:
         model.to(where.device)
-    refs = [forward_states(model, r.input_ids, wanted, num_layers) for r in records]
+    t0 = time.monotonic()
+    refs = [forward_states(model, records[0].input_ids, wanted, num_layers)]
+    first = time.monotonic() - t0
+    if say is not None:  # the estimate from a forward measured here (the FLOP count's
+        # basis, the matmul rate, misses what a small model spends outside its matmuls)
+        n0 = len(records[0].input_ids)
+        passes = 1 if run_dtype == "float32" else 2
+        rest = first * (passes * tokens / max(n0, 1) - 1)
+        say(f"the first record's forward: {first:.2f}s for {n0:,} tokens; about {rest:.1f}s left")
+    refs += [forward_states(model, r.input_ids, wanted, num_layers) for r in records[1:]]
     ref_top1 = [top1(model, ref["final"]) for ref in refs]
     stored_top1 = [top1(model, r.states["final"]) for r in records]
     noise_refs = None
-    if passes == 2:
+    if run_dtype != "float32":
         model.to(getattr(torch, run_dtype))
         noise_refs = [forward_states(model, r.input_ids, set(keys), num_layers) for r in records]
         noise_top1 = [top1(model, n["final"]) for n in noise_refs]
     del model
-    forward_s = time.monotonic() - t_fwd
 
     layers: dict[str, dict[str, Any]] = {}
     for key in [*keys, "final"]:
@@ -549,7 +540,7 @@ def run(cfg: Any, run_dir: Path, out: Path, *, say: Callable[[str], None] = prin
             dtype_noise = max(_rel(p["err_sq"], p["ref_sq"]) for p in nper)
             noise = max(noise, dtype_noise)
         codec_noise = None
-        if manifest.get("codec") == "fp8":
+        if codec == "fp8":
             cn = [_fp8_noise(ref[key]) for ref in refs]
             codec_noise = max(_rel(e, r) for e, r in cn)
             noise = math.sqrt(noise**2 + codec_noise**2)
@@ -580,6 +571,48 @@ def run(cfg: Any, run_dir: Path, out: Path, *, say: Callable[[str], None] = prin
             i = per_rec.index(worst)
             entry["diagnosis"] = _diagnose(records[i].states[key], refs[i], key, num_layers)
         layers[str(key)] = entry
+
+    return layers
+
+
+def run(cfg: Any, run_dir: Path, out: Path, *, say: Callable[[str], None] = print) -> dict:
+    """Audit the run at ``run_dir``: write ``out`` (state/audit.json) and return it, or
+    write the unaudited mark and raise :class:`AuditFailed`."""
+    from transformers import AutoConfig
+
+    from hsextract.config import fingerprint, read_model_config
+
+    run_dir = Path(run_dir)
+    t_start = time.monotonic()
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    fp_now = fingerprint(cfg)
+    if manifest.get("fingerprint") not in (None, fp_now):
+        raise AuditRefused(
+            f"the model at {cfg.model.path} is not the one this run was extracted with: its "
+            f"identity (contents digest, revision, dtype) gives fingerprint {fp_now}, the "
+            f"run's is {manifest.get('fingerprint')}; put that model back, or rerun "
+            "extract_all for the new one (a new run dir)"
+        )
+    mconf = read_model_config(cfg)
+    num_layers = int(mconf["num_hidden_layers"])
+    quantized = bool(mconf.get("quantization_config"))
+    records = stored_records(cfg, run_dir, manifest, num_layers)
+    if not records:
+        raise AuditRefused(f"{run_dir}: the manifest lists no records to audit")
+    run_dtype = cfg.model.dtype
+    passes = 1 if run_dtype == "float32" else 2
+    tokens = sum(len(r.input_ids) for r in records)
+    params = checkpoint_params(Path(cfg.model.path))
+    where = place(cfg, run_dir, params, tokens, passes, say)
+    n_chunks = len(manifest["chunks"])
+    say(f"auditing {len(records)} records ({tokens:,} tokens) of {n_chunks} chunks {where.text}")
+
+    AutoConfig.from_pretrained(cfg.model.path)  # a missing config says so here, in one line
+    t_fwd = time.monotonic()
+    layers = measure(
+        cfg.model.path, records, num_layers, run_dtype, manifest.get("codec"), where, say
+    )
+    forward_s = time.monotonic() - t_fwd
 
     verdicts = [e["verdict"] for e in layers.values()]
     verdict = "fail" if "fail" in verdicts else "warn" if "warn" in verdicts else "pass"
