@@ -158,6 +158,32 @@ def test_hook_batch_and_split_passes(server: Any) -> None:
         _check(server.outer.model, full, got[rid], DEFAULT_LAYERS)
 
 
+def test_an_armed_shift_positions_fault_stores_only_its_request_one_row_late(
+    server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The live audit's injected error (tests/live): through the real hooks, a request
+    matching a ``shift_positions`` rule is stored one position late, its token ids kept (so
+    every capture check passes it); the other request in the same pass is untouched."""
+    from hsextract import faults
+
+    monkeypatch.setattr(
+        faults, "SPEC", faults.load('{"capture": [{"rid": "a", "do": "shift_positions"}]}')
+    )
+    monkeypatch.setattr(faults, "ACTIVE", True)
+    _register(server)
+    a, b = _ids(6, 1), _ids(5, 2)
+    _run(server, [("b", b, 0, 5), ("a", a, 0, 6)])
+    got = _pieces(server.dump)
+    _check(server.outer.model, b, got["b"], DEFAULT_LAYERS)
+    ((_, piece),) = got["a"]
+    final, entering = server.outer.model.reference(a)
+    assert torch.equal(piece["input_ids"], a)
+    torch.testing.assert_close(piece["hidden_states"], final.roll(1, dims=0))
+    want_aux = torch.cat([entering[i] for i in DEFAULT_LAYERS], dim=-1).roll(1, dims=0)
+    torch.testing.assert_close(piece["aux_hidden_states"], want_aux)
+    assert not torch.allclose(piece["hidden_states"], final)
+
+
 @pytest.mark.parametrize("layers", [None, [0, 3, 6]])
 def test_hook_prenorm_final(server: Any, layers: list[int] | None) -> None:
     """prenorm_final with SGLang's own aux capture: layers from SGLang, index L from a

@@ -65,7 +65,8 @@ list, or ``"all"``, the default).  Actions:
   stored from the stream entering the next layer; ``final_prenorm``: the final state is
   stored before the final norm instead of after it; ``shift_positions``: the request's
   states are stored one position late (row t holds token t-1's; a pass's first row its
-  last's).  Wrong at capture time, every check of the
+  last's; on SGLang, through ``hsextract.sglang.hooks``, the only capture action).
+  Wrong at capture time, every check of the
   capture passes them (token parity, shapes, finite values, sha256): the audit's subject;
 - ``wait``: the scheduler stops after the pass until the file ``gate`` exists (the fault
   is logged when the wait begins, so a test sees the server held mid-request and releases
@@ -269,6 +270,25 @@ def captured(rid: str, hs: list, aux_layers: list[int], num_layers: int) -> list
         out = [h.roll(1, dims=0) for h in out]
         _fired("shift_positions", rid=rid)
     return out
+
+
+def captured_batch(rids: list, extend_lens: list, hidden: Any, aux: list) -> tuple[Any, list]:
+    """SGLang's side of :func:`captured` (``hsextract.sglang.hooks``, patch and hooks alike),
+    on a flat extend batch: each matching request's rows stored one position late, as
+    ``shift_positions`` says.  Only that action: the other layers' states are not at hand
+    where a live forward hands its batch over."""
+    hit = {i for i, rid in enumerate(rids) if _capture_rules(str(rid), "shift_positions")}
+    if not hit:
+        return hidden, aux
+    hidden, aux = hidden.clone(), [a.clone() for a in aux]
+    row = 0
+    for j, n in enumerate(int(n) for n in extend_lens):
+        if j in hit:
+            for t in (hidden, *aux):
+                t[row : row + n] = t[row : row + n].roll(1, dims=0)
+            _fired("shift_positions", rid=str(rids[j]))
+        row += n
+    return hidden, aux
 
 
 def after_generate(rid: str, length: int, dump_dir: str | None, timeout_s: float = 60) -> None:

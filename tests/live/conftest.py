@@ -25,6 +25,9 @@ GROUPS: dict[str, tuple[str, ...]] = {
     # each): hooks, then the patch with one chunk redone, both against HF.  Estimated
     # (group 1 and 4's figures): fixture ~60 s, ~80-120 s per workflow, ~40 s the rerun.
     "6": ("test_a_release_end_to_end_hooks_and_patch",),
+    # The audit on a third architecture (a tiny Llama through hooks), then the same run with
+    # a wrong capture injected in the server (faults.captured_batch): two workflows.
+    "7": ("test_the_audit_passes_a_live_llama_run_and_catches_an_injected_error",),
 }
 GROUP_ENV = "HSEXTRACT_LIVE_GROUP"
 

@@ -159,6 +159,40 @@ def build_tiny_qwen3(out: Path, seed: int = 0, layers: int = 8) -> Path:
     return _save(out, c, sd)
 
 
+def build_tiny_llama(out: Path, seed: int = 0, layers: int = 8) -> Path:
+    """A random Llama (GQA, SwiGLU), bf16, with norm weights that are not all ones: the
+    final state before and after the last norm then differ in what a drafter sees, so a
+    capture that took the wrong one shows (the audit's third architecture)."""
+    c = dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=4096,
+        hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, hidden_act="silu",
+        rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=16384,
+        attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
+        torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1, use_cache=True,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    h, v, nh, nkv, hd, inter = 256, 4096, 4, 2, 64, 512
+
+    def norm(n: int) -> torch.Tensor:
+        return (1.0 + 0.5 * torch.randn(n, generator=g)).to(torch.bfloat16)
+
+    sd = {"model.embed_tokens.weight": _w(g, v, h), "model.norm.weight": norm(h),
+          "lm_head.weight": _w(g, v, h)}  # fmt: skip
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        sd[p + "input_layernorm.weight"] = norm(h)
+        sd[p + "post_attention_layernorm.weight"] = norm(h)
+        sd[p + "self_attn.q_proj.weight"] = _w(g, nh * hd, h)
+        sd[p + "self_attn.k_proj.weight"] = _w(g, nkv * hd, h)
+        sd[p + "self_attn.v_proj.weight"] = _w(g, nkv * hd, h)
+        sd[p + "self_attn.o_proj.weight"] = _w(g, h, nh * hd)
+        sd[p + "mlp.gate_proj.weight"] = _w(g, inter, h)
+        sd[p + "mlp.up_proj.weight"] = _w(g, inter, h)
+        sd[p + "mlp.down_proj.weight"] = _w(g, h, inter)
+    return _save(out, c, sd)
+
+
 def _save(out: Path, config: dict, sd: dict[str, torch.Tensor]) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -25,6 +25,7 @@ from fixtures_demo import planned_jobs, processes_under
 from livekit import (
     LIVE_EXTRA_ARGS,
     build_tiny_dsv3,
+    build_tiny_llama,
     build_tiny_qwen3,
     compare_run,
     deterministic_chunk,
@@ -248,6 +249,7 @@ def _run_end_to_end(live, wd: Path, rel, name: str, capture: str, *, rerun: bool
     assert "--cuda-graph-backend-prefill" in srv["command_check"]["options_checked"]
     assert manifest["totals"]["records"] == len(live.records)
     assert _verify(rd).returncode == 0, _verify(rd).stdout
+    shown["audit"] = _audit_passed(rd, name)
     left = _no_sglang_left(live.root)
     assert not left, left
     assert gpu_used_mib() < 2000
@@ -263,7 +265,8 @@ def _run_end_to_end(live, wd: Path, rel, name: str, capture: str, *, rerun: bool
     before = victim.read_bytes()
     victim.unlink()
     plan = planned_jobs(snakemake(wd, "-n", "extract_all").stdout)
-    want = {"extract_chunk": 1, "manifest": 1, "report_figures": 1, "extract_all": 1}
+    # The audit follows the manifest (rules/audit.smk): a redone chunk is audited again.
+    want = {"extract_chunk": 1, "manifest": 1, "audit": 1, "report_figures": 1, "extract_all": 1}
     assert plan == want, plan
     res = snakemake(wd, "-j1", "extract_all")
     assert res.returncode == 0, res.stderr[-6000:]
@@ -283,6 +286,78 @@ def _run_end_to_end(live, wd: Path, rel, name: str, capture: str, *, rerun: bool
     left = _no_sglang_left(live.root)
     assert not left, left
     return shown
+
+
+def _audit_passed(rd: Path, name: str) -> dict:
+    """The run's own audit (state/audit.json, part of extract_all): passed, every captured
+    tensor checked on the GPU the server freed; its figures go to the report."""
+    audit = json.loads((rd / "state" / "audit.json").read_text())
+    figures = {
+        "verdict": audit["verdict"],
+        "device": audit["device"],
+        "records": len(audit["records"]),
+        "tokens": audit["tokens"],
+        "seconds": audit["seconds"],
+        "forward_s": audit["forward_s"],
+        "bound": audit["bound"],
+        "layers": audit["layers"],
+    }
+    _report(f"{name}_audit.json", figures)
+    assert audit["verdict"] == "pass", figures
+    assert audit["device"].startswith("cuda"), figures
+    assert not (rd / "state" / "audit.failed.json").exists()
+    return figures
+
+
+def test_the_audit_passes_a_live_llama_run_and_catches_an_injected_error(live):
+    """A tiny Llama (non-uniform norm weights) through hooks: the workflow's audit passes,
+    each captured layer's figures reported.  Then the same run with the server's capture
+    made wrong at capture time (``HSEXTRACT_FAULTS``: chunk_00001's records stored one
+    position late, ``faults.captured_batch`` in hsextract.sglang.hooks; every other check
+    passes them): the audit fails in one sentence naming a layer, and deletes nothing --
+    the chunks and the manifest stay, and verify still passes their sha256s."""
+    llama = build_tiny_llama(live.root / "tiny-llama")
+    shown = {}
+    for name, fault in (("audit-llama", None), ("audit-llama-shifted", "chunk_00001")):
+        wd = live.root / name
+        wd.mkdir()
+        try:
+            live_config(wd, llama, live.inputs, capture="hooks", **{"audit.records": 16})
+            env = None
+            if fault:
+                spec = {"capture": [{"rid": fault, "do": "shift_positions"}],
+                        "log": str(wd / "faults.jsonl")}  # fmt: skip
+                env = {"HSEXTRACT_FAULTS": json.dumps(spec)}
+            t0 = time.monotonic()
+            res = snakemake(wd, "-j1", "extract_all", env=env)
+            seconds = round(time.monotonic() - t0, 1)
+            _report(f"{name}.log", res.stdout[-6000:] + res.stderr[-10000:])
+            rd = _run_dir(wd)
+            if not fault:
+                assert res.returncode == 0, res.stderr[-6000:]
+                shown[name] = {"seconds": seconds, "audit": _audit_passed(rd, name)}
+                continue
+            fired = (wd / "faults.jsonl").read_text() if (wd / "faults.jsonl").exists() else ""
+            assert "shift_positions" in fired, "the injected capture fault never fired"
+            assert res.returncode != 0, "the audit passed a run whose capture was wrong"
+            failed = json.loads((rd / "state" / "audit.failed.json").read_text())
+            assert failed["verdict"] == "fail", failed
+            sentence = failed["sentence"]
+            assert "layer" in sentence or "final" in sentence, sentence
+            assert sentence in res.stdout + res.stderr, "the failure sentence was not shown"
+            assert not (rd / "state" / "audit.json").exists()
+            chunks = sorted((rd / "hidden").glob("chunk_*.safetensors"))
+            assert len(chunks) == 3 and (rd / "manifest.json").is_file()
+            assert _verify(rd).returncode == 0, _verify(rd).stdout
+            shown[name] = {"seconds": seconds, "sentence": sentence, "layers": failed["layers"]}
+            _report(f"{name}_audit_failed.json", shown[name])
+        finally:
+            found = _end_everything_under(wd)
+            if found:
+                _report(f"{name}: ended after the test", "\n".join(found))
+    left = _no_sglang_left(live.root)
+    assert not left, left
+    assert gpu_used_mib() < 2000
 
 
 def test_the_workflow_end_to_end_on_a_live_sglang(live):

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from hsextract import faults
 from hsextract.capture import AUX_LAYERS_ENV, DumpWriter, get_writer
 from hsextract.convention import default_aux_layers, prenorm_layer
 
@@ -149,6 +150,8 @@ class ForwardDump:
         prefix, extend = forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu
         if prefix is None or extend is None:
             raise RuntimeError("hsextract: batch has no host-side extend lens (GPU-only metadata)")
+        if faults.ACTIVE:  # tests only: a capture that is wrong (the live audit must catch it)
+            hidden, aux = faults.captured_batch(forward_batch.rids, extend, hidden, list(aux))
         self.writer.write_batch(
             forward_batch.rids, prefix, extend, input_ids, hidden, aux, aux_layers=self.layers
         )
