@@ -2,6 +2,8 @@
 #   snakemake -j1 extract_all     everything
 #   snakemake -n extract_all      the plan (no model loaded, no GPU touched)
 #   snakemake -j1 <chunk file>    redo one chunk
+import time
+
 from snakemake.utils import min_version
 
 min_version("9.0")
@@ -87,8 +89,16 @@ onstart:
     record_sources(RUN, SOURCES)
 
 
+# When this workflow started: its end summarises the run only if it wrote the manifest.
+WORKFLOW_STARTED = time.time()
+
+
 onsuccess:
     stop_servers()
+    from hsextract.summary import run_summary
+
+    for line in run_summary(RUN, since=WORKFLOW_STARTED):
+        print(line)
 
 
 onerror:

@@ -21,7 +21,7 @@ from hsextract.config import (
 from hsextract.config import demo_shards as config_demo_shards
 from hsextract.config import input_shards as config_input_shards
 from hsextract.dp import server_gpu_count
-from hsextract.errors import ConfigError
+from hsextract.errors import ConfigError, one_sentence
 from hsextract.export.common import ExportError, refuse_deleted_after_ack
 from hsextract.server import (
     OWNER_ENV,
@@ -38,59 +38,66 @@ from hsextract.sizing import chunk_count, chunk_sizing, sizing_report
 from hsextract.smk import runs_jobs
 from hsextract.stages import stage_settings
 from hsextract.stale import claim_run, preview
+from hsextract.summary import clear_failed_merge
 
 # The one way a config is read (hsextract.config.load_config, the CLI's too): the
 # --configfile files or ./config.yaml, then --config (dotted keys allowed; its values
 # arrive as strings and are given the schema's types), validated against
 # schemas/config.schema.yaml with its defaults filled.  Replaced in place: the scripts get
 # this dict as snakemake.config.
-_loaded = load_config(workflow.overwrite_configfiles, dict(workflow.config_settings.config))
-config.clear()
-config.update(_loaded)
-# Which --configfile (or --config) set max_seq_len: the merge names it when it cuts many.
-MAX_SEQ_LEN_FROM = where_set(
-    "max_seq_len", workflow.overwrite_configfiles, dict(workflow.config_settings.config)
-)
-# The rules read the config typed (CFG.server.host); the dict stays Snakemake's, for the
-# scripts (steps.py types it again) and for what is hashed of it as written.
-CFG = typed(config)
+# A config the library refuses is its one sentence here too, not a traceback through
+# config.py (hsextract.errors.one_sentence).
+with one_sentence():
+    _loaded = load_config(workflow.overwrite_configfiles, dict(workflow.config_settings.config))
+    config.clear()
+    config.update(_loaded)
+    # Which --configfile (or --config) set max_seq_len: the merge names it when it cuts many.
+    MAX_SEQ_LEN_FROM = where_set(
+        "max_seq_len", workflow.overwrite_configfiles, dict(workflow.config_settings.config)
+    )
+    # The rules read the config typed (CFG.server.host); the dict stays Snakemake's, for the
+    # scripts (steps.py types it again) and for what is hashed of it as written.
+    CFG = typed(config)
 
-RUN = run_dir(CFG)
-
-
-def refuse_unwritable_output_root(write=True):
-    """An output_root that cannot be written ends the run before any job in one sentence,
-    not in a traceback from the first write (the run claim's) or Snakemake's output scan."""
-    try:
-        check_output_root(CFG.output_root, write=write)
-    except ConfigError as exc:
-        print(f"hsextract: error: {exc}", file=sys.stderr)
-        raise SystemExit(1)
+    RUN = run_dir(CFG)
 
 
-# One workflow per run dir at a time, whatever its working directory (Snakemake's own lock
-# is per directory): a second one is refused here, before it or a job touches anything
-# (stale.claim_run).  The main process only, when it may run jobs: its jobs (a nested
-# Snakemake, or one on a SLURM node) work under its hold, and a dry run touches nothing
-# (only a path that runs through a file is refused for it).
-# The hold is released, and its file removed, when this process exits.
-if inherited_owner() is None and workflow.is_main_process:
-    if runs_jobs():
-        refuse_unwritable_output_root(write=True)
-        claim_run(RUN, os.getpid())
-    else:
-        refuse_unwritable_output_root(write=False)
-# Every command a message suggests carries this config's sources (hsextract.commands): the
-# jobs inherit them in the environment; onstart records them in the run dir for readers
-# holding only the run (verify, a trainer's ManifestDataset).
-SOURCES = sources_of(workflow.overwrite_configfiles, dict(workflow.config_settings.config), RUN)
-set_current(SOURCES, export=True)
-# What one server takes: a chunk job's GPUs (its group's allocation under SLURM asks this).
-SERVER_GPUS = server_gpu_count(CFG)
-FINGERPRINT = fingerprint(CFG)
-CHUNK_SIZING = chunk_sizing(CFG)  # n_chunks: auto (None for a number)
-CHUNK_IDS = [f"{i:05d}" for i in range(chunk_count(CFG))]
-MODEL_DIR = Path(CFG.model.path)
+    def refuse_unwritable_output_root(write=True):
+        """An output_root that cannot be written ends the run before any job in one sentence,
+        not in a traceback from the first write (the run claim's) or Snakemake's output scan."""
+        try:
+            check_output_root(CFG.output_root, write=write)
+        except ConfigError as exc:
+            print(f"hsextract: error: {exc}", file=sys.stderr)
+            raise SystemExit(1)
+
+
+    # One workflow per run dir at a time, whatever its working directory (Snakemake's own lock
+    # is per directory): a second one is refused here, before it or a job touches anything
+    # (stale.claim_run).  The main process only, when it may run jobs: its jobs (a nested
+    # Snakemake, or one on a SLURM node) work under its hold, and a dry run touches nothing
+    # (only a path that runs through a file is refused for it).
+    # The hold is released, and its file removed, when this process exits.
+    if inherited_owner() is None and workflow.is_main_process:
+        if runs_jobs():
+            refuse_unwritable_output_root(write=True)
+            claim_run(RUN, os.getpid())
+            # Held: a failed merge's rejects file whose inputs were since restored goes
+            # (a restore from a backup keeps the old time: nothing reruns to remove it).
+            clear_failed_merge(CFG, RUN)
+        else:
+            refuse_unwritable_output_root(write=False)
+    # Every command a message suggests carries this config's sources (hsextract.commands): the
+    # jobs inherit them in the environment; onstart records them in the run dir for readers
+    # holding only the run (verify, a trainer's ManifestDataset).
+    SOURCES = sources_of(workflow.overwrite_configfiles, dict(workflow.config_settings.config), RUN)
+    set_current(SOURCES, export=True)
+    # What one server takes: a chunk job's GPUs (its group's allocation under SLURM asks this).
+    SERVER_GPUS = server_gpu_count(CFG)
+    FINGERPRINT = fingerprint(CFG)
+    CHUNK_SIZING = chunk_sizing(CFG)  # n_chunks: auto (None for a number)
+    CHUNK_IDS = [f"{i:05d}" for i in range(chunk_count(CFG))]
+    MODEL_DIR = Path(CFG.model.path)
 
 # Servers started by this workflow are owned by this process: the watchdog stops them
 # when it exits.  Jobs inherit the variables; a nested Snakemake keeps its parent's owner,
@@ -328,8 +335,16 @@ def export_chunk_files(wildcards):
 def speculators_prenorm(wildcards):
     """export_speculators_chunk's chunk file, or a plan-time error without prenorm_final."""
     if not CFG.prenorm_final:
-        raise ValueError(
-            "export_speculators needs the pre-norm final state: set prenorm_final: true "
-            "(a new run dir; the current one is kept) and run the target again"
+        # One sentence and the command, as export_chunk_files ends a plan: a ValueError
+        # here stopped inside Snakemake's InputFunctionException block, with no command.
+        from hsextract.commands import snakemake_command
+
+        print(
+            "hsextract: error: export_speculators needs the pre-norm final state, which this "
+            "run did not capture: set prenorm_final: true in your config (a new run dir; "
+            f"this one is kept), then run `{snakemake_command('export_speculators')}` "
+            "(it extracts that run first)",
+            file=sys.stderr,
         )
+        raise SystemExit(1)
     return export_chunk_files(wildcards)

@@ -162,7 +162,10 @@ def test_sigint_mid_chunk_leaves_nothing_and_rerun_matches(demo_run, tmp_path):
         kill_processes_under(workdir)
     # One sentence from the interrupted job, no traceback (neither its own nor Snakemake's).
     n = chunk.removeprefix("chunk_")
-    want = f"interrupted: chunk {n} not finished; rerun the same command to continue"
+    want = (
+        f"interrupted: chunk {n} not finished; it is extracted whole, so rerunning the same "
+        "command starts it over (finished chunks are kept)"
+    )
     assert f"hsextract [extract_chunk]: {want}" in out, out[-4000:]
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-6000:]
     assert not (rd / "hidden" / f"{chunk}.safetensors").exists(), "a half chunk was kept"

@@ -9,7 +9,7 @@ hsextract plan [--configfile F]
 hsextract run-dir [--configfile F]
 hsextract export specforge --manifest M [--out DIR] [--gzip]
 hsextract export speculators --manifest M [--out DIR]      (needs prenorm_final: true)
-hsextract status [--configfile F] [--json] [--window S]
+hsextract status [--configfile F] [--json] [--window S] [--watch [S]]
 hsextract stream gc [--configfile F]      (stream.budget_gb: free payloads the trainer acked)
 """
 
@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
+import signal
 import sys
+import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -32,6 +36,9 @@ from hsextract.procs import pid_alive
 
 if TYPE_CHECKING:
     from hsextract.config import Config
+
+#: A command whose output pipe closed early exits as a shell reports SIGPIPE's end.
+BROKEN_PIPE_EXIT = 128 + signal.SIGPIPE
 
 
 def _load(args: argparse.Namespace) -> Config:
@@ -50,6 +57,8 @@ def parse_config_entries(entries: list[str]) -> dict:
     """``--config`` entries parsed by Snakemake's own parser: an entry either takes works
     in both.  Snakemake refuses a dotted key (``server.port=30000``: "Invalid config
     definition"), so it is refused here too, naming the form both take."""
+    if not entries:
+        return {}  # Snakemake's parser costs its whole CLI's import (seconds)
     from snakemake.cli import parse_config
 
     from hsextract.config import config_entry
@@ -268,11 +277,41 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     """Where the config's run stands (chunks, tokens, rates, ETA, server, last error)."""
-    from hsextract import status
+    from hsextract.commands import current, set_current
+    from hsextract.config import locate_run
 
     cfg = _load(args)
-    st = status.collect(cfg, window_s=args.window)
-    stream = _stream_summary(cfg)
+    rd, base = locate_run(cfg, args.configfile)
+    here = current()
+    if base is not None and here is not None:
+        # Made in another directory: the commands it suggests run there.
+        set_current(replace(here, workdir=base, run_dir=str(Path(cfg.output_root) / rd.name)))
+    if args.watch is None:
+        _status_report(cfg, args, base)
+        return 0
+    # Redrawn every --watch seconds until the run is whole and nothing runs it (then it
+    # cannot change), or Ctrl-C, which is how a watch is left: not an interruption.
+    tty = sys.stdout.isatty() and not args.json
+    try:
+        while True:
+            if tty:
+                print("\x1b[H\x1b[2J", end="")  # clear the terminal, cursor home
+            st = _status_report(cfg, args, base)
+            if st.finished and not st.workflow_pids:
+                return 0
+            if not tty:
+                print(f"-- next in {args.watch:g}s (Ctrl-C ends the watch)", flush=True)
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _status_report(cfg: Config, args: argparse.Namespace, base: str | None) -> Any:
+    """One status report printed; returns the :class:`hsextract.status.Status`."""
+    from hsextract import status
+
+    st = status.collect(cfg, window_s=args.window, base=base)
+    stream = _stream_summary(cfg, Path(st.run_dir))
     if args.json:
         print(json.dumps({**st.to_json(), **({"stream": stream} if stream else {})}, indent=2))
     else:
@@ -288,7 +327,8 @@ def _status(args: argparse.Namespace) -> int:
                     f"{stream['acked_on_disk_bytes'] / 1e9:.3g} GB, still on disk: the next "
                     f"chunk job's gate deletes them, or now `{hsextract_command('stream', 'gc')}`"
                 )
-    return 0
+    sys.stdout.flush()
+    return st
 
 
 def _stream(args: argparse.Namespace) -> int:
@@ -317,15 +357,14 @@ def _stream(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stream_summary(cfg: Config) -> dict | None:
+def _stream_summary(cfg: Config, rd: Path) -> dict | None:
     """Train while extracting: what waits for the trainer (None for an offline run)."""
-    from hsextract.config import run_dir
     from hsextract.stream.gate import settings_of, summary
 
     ss = settings_of(cfg)
     if ss is None:
         return None
-    return summary(run_dir(cfg), ss.final_pass, budget_bytes=ss.budget_bytes)
+    return summary(rd, ss.final_pass, budget_bytes=ss.budget_bytes)
 
 
 def _run_dir(args: argparse.Namespace) -> int:
@@ -335,7 +374,8 @@ def _run_dir(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of ``argv``'s command (every command's in full without ``argv``)."""
     from hsextract import gpu
     from hsextract.sglang import patching
 
@@ -364,6 +404,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--window", type=float, default=300.0, help="seconds of the recent rate (%(default)s)"
     )
+    p.add_argument(
+        "--watch",
+        type=float,
+        nargs="?",
+        const=10.0,
+        metavar="S",
+        help="report again every S seconds (default 10) until the run is finished; Ctrl-C ends it",
+    )
     p.set_defaults(func=_status)
     p = sub.add_parser("stream", help="train while extracting (stream.budget_gb)")
     p.add_argument(
@@ -376,15 +424,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run-dir", help="print the run directory (fingerprint) of a config")
     _add_config_args(p)
     p.set_defaults(func=_run_dir)
-    # `hsextract export FORMAT ...`: each export module registers its format's subcommand.
-    from hsextract.export import specforge as specforge_export
-    from hsextract.export import speculators as speculators_export
-
     p = sub.add_parser("export", help="write a finished run in a trainer's format")
     export_formats = p.add_subparsers(dest="format", required=True)
-    specforge_export.register_cli(export_formats)
-    speculators_export.register_cli(export_formats)
+    if argv is None or _command_of(argv) == "export":
+        # `hsextract export FORMAT ...`: each export module registers its format's
+        # subcommand.  Only for an export: they import torch (seconds), which a `status`
+        # polled from a script, or `--help`, must not pay.
+        from hsextract.export import specforge as specforge_export
+        from hsextract.export import speculators as speculators_export
+
+        specforge_export.register_cli(export_formats)
+        speculators_export.register_cli(export_formats)
     return parser
+
+
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` names (its first word that is no option)."""
+    return next((w for w in argv if not w.startswith("-")), None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -399,12 +455,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     from hsextract.commands import set_current
 
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except HsextractError as exc:
         print(f"hsextract: error: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # The reader went away (`| head`): what it wanted it has; nothing to report, and
+        # Python's own flush at exit must not fail on the closed pipe again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return BROKEN_PIPE_EXIT
     except KeyboardInterrupt:
         what = f"hsextract {args.command}"
         print(f"hsextract: {interrupted_message(what)}", file=sys.stderr)

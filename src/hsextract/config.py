@@ -15,6 +15,7 @@ config stays current.  Everything past the entry takes a :class:`Config`.
 from __future__ import annotations
 
 import copy
+import functools
 import getpass
 import hashlib
 import json
@@ -348,22 +349,44 @@ def _build(prefix: str, values: dict, **extra: Any) -> Any:
 def validate(cfg: dict) -> dict:
     """Validate (and fill defaults) with the same schema Snakemake's ``validate`` uses; a
     refusal is one sentence naming the key (:func:`schema_refusal`), not the schema dump."""
-    from snakemake.exceptions import WorkflowError
-    from snakemake.utils import validate as sm_validate
+    import jsonschema
 
     coerce_to_schema(cfg)
     refuse_fractional_integers(cfg)
     try:
-        sm_validate(cfg, str(SCHEMA_PATH), set_default=True)
-    except WorkflowError as exc:
+        _defaulting_validator()(_schema()).validate(cfg)
+    except jsonschema.ValidationError as exc:
         raise ConfigError(schema_refusal(cfg) or str(exc).splitlines()[0]) from None
     check_semantics(cfg)
     return cfg
 
 
+def _defaulting_validator() -> Any:
+    """Draft 2020-12 that fills each absent property's default as it validates: what
+    ``snakemake.utils.validate(set_default=True)`` does (the recipe of jsonschema's FAQ),
+    without importing Snakemake's CLI (seconds) into every ``hsextract`` command.  The
+    defaults are copies: a list default filled into one config is never another's."""
+    from jsonschema import Draft202012Validator, validators
+
+    properties = Draft202012Validator.VALIDATORS["properties"]
+
+    def set_defaults(validator: Any, props: dict, instance: Any, schema: dict) -> Any:
+        if isinstance(instance, dict):
+            for name, sub in props.items():
+                if "default" in sub:
+                    instance.setdefault(name, copy.deepcopy(sub["default"]))
+        yield from properties(validator, props, instance, schema)
+
+    return validators.extend(Draft202012Validator, {"properties": set_defaults})
+
+
+@functools.cache
 def _schema() -> dict:
+    """The schema, read once a process (a config is checked against it five times on its
+    way in: half a second each in pure-Python YAML); never modified by its readers."""
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     with open(SCHEMA_PATH) as f:
-        return yaml.safe_load(f)
+        return yaml.load(f, Loader=loader)  # noqa: S506 - a safe loader
 
 
 def schema_refusal(cfg: dict) -> str | None:
@@ -765,7 +788,7 @@ def read_model_config(cfg: Config) -> dict:
     return data.get("text_config", data)
 
 
-def model_identity(cfg: Config) -> dict:
+def model_identity(cfg: Config, base: str | os.PathLike[str] | None = None) -> dict:
     """What names the model's weights: its resolved path and contents, a revision tag.
 
     Never the path as written: ``models/llama`` is another model from each directory a
@@ -773,13 +796,16 @@ def model_identity(cfg: Config) -> dict:
     at ``model.path`` by its own rule (which refuses a path holding anything else), so the
     recipe names them; its path stays as written only so the demo's run dir keeps its name
     (it cannot name two models: check_demo).  The dict as written (``cfg.raw``), as for the
-    whole fingerprint.
+    whole fingerprint.  ``base``: the directory a relative path is resolved against (the
+    working directory when None): a check of a finished run passes the one the run used.
     """
     from hsextract.model_identity import contents_digest, resolved
 
     raw = cfg.raw
     demo = raw.get("demo", {})
     path = raw["model"]["path"]
+    if base is not None and not demo.get("enabled"):
+        path = os.path.join(base, path)
     ident: dict[str, Any] = {
         "path": os.path.normpath(path) if demo.get("enabled") else resolved(path),
         "revision": raw["model"].get("revision"),
@@ -795,7 +821,7 @@ def model_identity(cfg: Config) -> dict:
     return ident
 
 
-def fingerprint_payload(cfg: Config) -> dict:
+def fingerprint_payload(cfg: Config, base: str | os.PathLike[str] | None = None) -> dict:
     """Everything that changes the numbers a record's hidden states hold: the run dir's name.
 
     Deliberately not here (README, "What each setting changes"): the records themselves
@@ -809,7 +835,7 @@ def fingerprint_payload(cfg: Config) -> dict:
     """
     raw = cfg.raw
     payload = {
-        "model": model_identity(cfg),
+        "model": model_identity(cfg, base),
         "aux_layers": raw.get("aux_layers"),
         "convention": CAPTURE_CONVENTION,
         "format_version": FORMAT_VERSION,
@@ -832,9 +858,10 @@ def storage_codec(cfg: Config) -> str:
     return str((cfg.raw.get("storage") or {}).get("codec", "none"))
 
 
-def fingerprint(cfg: Config) -> str:
-    """A short hash of :func:`fingerprint_payload`."""
-    blob = json.dumps(fingerprint_payload(cfg), sort_keys=True).encode()
+def fingerprint(cfg: Config, base: str | os.PathLike[str] | None = None) -> str:
+    """A short hash of :func:`fingerprint_payload` (relative paths against ``base``, else
+    the working directory)."""
+    blob = json.dumps(fingerprint_payload(cfg, base), sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
@@ -887,8 +914,67 @@ def settings_digest(settings: dict[str, Any]) -> str:
     ]
 
 
-def run_dir(cfg: Config) -> Path:
-    return Path(cfg.output_root) / fingerprint(cfg)
+def run_dir(cfg: Config, base: str | os.PathLike[str] | None = None) -> Path:
+    """``<output_root>/<fingerprint>``, relative paths against ``base`` when given (then
+    the result is absolute where output_root is relative to it)."""
+    root = Path(cfg.output_root) if base is None else Path(base, cfg.output_root)
+    return root / fingerprint(cfg, base)
+
+
+def run_base(run_dir: str | os.PathLike[str], output_root: str | None = None) -> str:
+    """The directory a finished or running run resolved its relative paths against.
+
+    The workflow records it at its start (``state/config_sources.json``, the directory
+    Snakemake ran in; hsextract.commands.record); a run dir from before that record is
+    placed by its own path (``<base>/<output_root>/<fingerprint>`` for a relative
+    output_root); else the working directory.  A check of the run (``verify``,
+    ``status``) resolves the config as the run did, wherever it is called from.
+    """
+    from hsextract.commands import recorded
+
+    src = recorded(run_dir)
+    if src is not None:
+        return src.workdir
+    rd = Path(os.path.abspath(run_dir))
+    parts = Path(output_root or "").parts
+    if parts and not Path(output_root or "").is_absolute() and len(parts) < len(rd.parents):
+        wd = rd.parents[len(parts)]
+        if os.path.realpath(wd / (output_root or "")) == os.path.realpath(rd.parent):
+            return str(wd)
+    return os.getcwd()
+
+
+def locate_run(
+    cfg: Config, configfiles: Sequence[str | os.PathLike[str]] | None = None
+) -> tuple[Path, str | None]:
+    """The run dir a command about an existing run reads, and the base it resolved
+    relative paths against (None: the working directory, as a new run would).
+
+    ``model.path: models/m`` names another model from each directory, so from outside the
+    directory the run was made in the config hashes to a run that does not exist.  When
+    it does not, each run under the output root (read here and beside each config file)
+    is asked where it was made; one whose config, resolved there, names that very run
+    dir is this config's run.
+    """
+    here = run_dir(cfg)
+    if here.is_dir():
+        return here, None
+    roots = [Path(cfg.output_root)]
+    if not roots[0].is_absolute():
+        roots += [Path(f).resolve().parent / cfg.output_root for f in configfiles or ()]
+    for root in roots:
+        try:
+            runs = sorted(e.path for e in os.scandir(root) if e.is_dir())
+        except OSError:
+            continue
+        for path in runs:
+            rd = Path(path)
+            base = run_base(rd, cfg.output_root)
+            if not (rd / "state").is_dir() or base == os.getcwd():
+                continue
+            if os.path.realpath(run_dir(cfg, base)) == os.path.realpath(rd):
+                return rd, base
+    return here, None
 
 
 def dump_dir(cfg: Config) -> Path:

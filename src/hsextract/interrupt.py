@@ -21,12 +21,19 @@ _installed = False
 _interrupts = 0  # SIGINTs seen by keep_ctrl_c's handler; read by the guarded emit
 
 
-def interrupted_message(what: str) -> str:
+def interrupted_message(what: str, *, starts_over: bool = False) -> str:
     """The one line an interrupted step prints: what is left unfinished and what to do.
 
     Every output is written under a temporary name and renamed when complete, so an
     interrupted step leaves nothing half-written and the same command picks up there.
+    ``starts_over``: the step keeps no partial work (a chunk is extracted whole), so the
+    rerun does it from its start; "continue" alone read as a resume within it.
     """
+    if starts_over:
+        return (
+            f"interrupted: {what} not finished; it is extracted whole, so rerunning the "
+            "same command starts it over (finished chunks are kept)"
+        )
     return f"interrupted: {what} not finished; rerun the same command to continue"
 
 

@@ -25,7 +25,7 @@ import orjson
 # reads no states, and importing torch (hsextract.chunks) was most of its time.
 from hsextract.chunkfile import ChunkFileError, check_chunk, digest_mismatch, sha256_file
 from hsextract.commands import snakemake_command
-from hsextract.config import Config, fingerprint, public_config, storage_codec, typed
+from hsextract.config import Config, fingerprint, public_config, run_base, storage_codec, typed
 from hsextract.errors import HsextractError
 from hsextract.records import content_digest, read_index, record_digest
 from hsextract.server import write_json
@@ -371,7 +371,8 @@ def verify_manifest(path: Path) -> list[str]:
             problems += _receipt_problems(f, c, freed[name], entries.get(name), index_path)
             continue
         if not f.is_file():
-            problems.append(f"chunk {name}: {f} missing")
+            redo = snakemake_command(f, run_dir=root)
+            problems.append(f"chunk {name}: {f} missing; redo it: `{redo}` (or extract_all)")
             continue
         truth = _chunk_truth(f, fields, name)
         if truth is None:
@@ -523,7 +524,9 @@ class _Fields:
         made_under = None
         try:
             recorded = typed(cfg)  # as written then: typed() takes an older release's keys
-            made_under = fingerprint(recorded)
+            # Relative paths (model.path) as the run resolved them, not from wherever
+            # verify is called: else a whole run reads as made under another fingerprint.
+            made_under = fingerprint(recorded, run_base(root, cfg.get("output_root")))
             self.run_field("fingerprint", fp, made_under, "the config it records")
             self.run_field("codec", data.get("codec"), storage_codec(recorded), "the config")
         except (KeyError, TypeError, AttributeError, HsextractError) as exc:
@@ -618,19 +621,6 @@ class _Fields:
         )
 
 
-def _workflow_dir(run_dir: Path, output_root: str | None) -> Path:
-    """The directory the workflow ran in (relative inputs are relative to it): the run
-    dir is ``<output_root>/<fingerprint>`` under it; the working directory when that
-    cannot be told (an absolute output_root)."""
-    run_dir = run_dir.resolve()
-    parts = Path(output_root or "").parts
-    if parts and not Path(output_root).is_absolute() and len(parts) < len(run_dir.parents):
-        wd = run_dir.parents[len(parts)]
-        if (wd / output_root).resolve() == run_dir.parent:
-            return wd
-    return Path.cwd()
-
-
 def _input_problems(root: Path, data: dict) -> list[str]:
     """Each input shard changed since the merge, by its bytes (sha256): the chunks hold
     states of what the merge read, and a changed shard makes them stale though every
@@ -647,7 +637,7 @@ def _input_problems(root: Path, data: dict) -> list[str]:
         return []
     try:
         changed = changed_inputs(
-            typed(cfg), stats, base=_workflow_dir(root, cfg.get("output_root")), content=True
+            typed(cfg), stats, base=Path(run_base(root, cfg.get("output_root"))), content=True
         )
     except HsextractError as exc:
         changed = [str(exc)]

@@ -680,13 +680,20 @@ def resolve_inputs(
             pattern = text
             matches = sorted(glob.glob(text, root_dir=root, recursive=True))
             if not matches:
-                raise InputError(f"input glob {text!r} matches no file (config key: inputs)")
+                raise InputError(
+                    f"input glob {text!r} matches no file (config key: inputs): it looked "
+                    f"in {_glob_dir(on_disk(text))}; fix the pattern or the directory"
+                )
         else:
             there = os.path.lexists(on_disk(text))
             problem = _not_a_shard(on_disk(text)) if there else None
             if problem is not None:
                 raise InputError(_not_a_shard_message(text, None, problem))
-            raise InputError(f"input {text!r} is not a file (config key: inputs)")
+            where = os.path.abspath(on_disk(text))
+            raise InputError(
+                f"input {text!r} does not exist ({where}; config key: inputs): fix the "
+                "path, or write a glob to match several shards"
+            )
         for m in matches:
             # Every match must be a shard: a directory, a broken link or an unreadable
             # file in a glob is a mistake to name, not a shard to drop without a word.
@@ -700,6 +707,19 @@ def resolve_inputs(
     if not out:
         raise InputError("no input files (config key: inputs)")
     return out
+
+
+def _glob_dir(pattern: str) -> str:
+    """The directory a glob searched (its part before the first wildcard), absolute, and
+    whether it exists: a relative pattern is read from the working directory, which may
+    not be where the user thought."""
+    fixed: list[str] = []
+    for part in Path(pattern).parts:
+        if glob.has_magic(part):
+            break
+        fixed.append(part)
+    where = os.path.abspath(os.path.join(*fixed)) if fixed else os.getcwd()
+    return where if os.path.isdir(where) else f"{where}, which does not exist"
 
 
 def _not_a_shard(path: str) -> str | None:

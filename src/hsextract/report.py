@@ -14,6 +14,7 @@ import html
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -307,9 +308,9 @@ def run_table(
             )
             for p, v in (passes or {}).items()
         )  # fmt: skip
-        + "</table><h3>Server command</h3><pre>"
-        + html.escape(" ".join(redact_argv(list(argv))))
-        + "</pre><h3>GPU gate</h3><table>"
+        + "</table>"
+        + _server_commands(sidecars or [], list(argv), redact_argv)
+        + "<h3>GPU gate</h3><table>"
         + row("ok", gate.get("ok"))
         + gpu_rows
         + "</table><h3>Patch</h3><table>"
@@ -326,6 +327,34 @@ def run_table(
     tmp = Path(out).with_name(f".{Path(out).name}.tmp")
     tmp.write_text(page)
     os.replace(tmp, out)
+
+
+def _server_commands(sidecars: list[dict], launched: list[str], redact: Any) -> str:
+    """The server command(s) that produced the chunks, from their sidecars, each with its
+    chunks; the last launch only as that, when it produced none of them.
+
+    state/server.json is the last launch: after an override run that extracted nothing
+    (a server setting tried, a one-chunk redo with other flags) it was shown as the
+    command of every chunk."""
+    by_argv: dict[tuple[str, ...], list[str]] = {}
+    for c in sidecars:
+        argv = (c.get("server") or {}).get("argv")
+        if argv:
+            by_argv.setdefault(tuple(argv), []).append(str(c.get("chunk")))
+    if not by_argv:  # sidecars from before they recorded it: the launch is all there is
+        return "<h3>Server command</h3><pre>" + html.escape(" ".join(redact(launched))) + "</pre>"
+    out = "<h3>Server command (what extracted the chunks)</h3>"
+    for argv, chunks in by_argv.items():
+        names = ", ".join(sorted(chunks))
+        out += f"<p>{len(chunks)} chunk(s): {html.escape(names)}</p>"
+        out += "<pre>" + html.escape(" ".join(redact(list(argv)))) + "</pre>"
+    if launched and tuple(launched) not in by_argv:
+        out += (
+            "<h3>Last server launch (extracted none of these chunks)</h3><pre>"
+            + html.escape(" ".join(redact(launched)))
+            + "</pre>"
+        )
+    return out
 
 
 def make_all(

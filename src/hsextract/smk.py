@@ -45,7 +45,14 @@ def run_step(snakemake: Any, step: Callable[[Any], None]) -> None:
         sys.__stderr__.write(f"hsextract [{snakemake.rule}]: {exc}\n")
         sys.exit(1)
     except KeyboardInterrupt:
-        msg = interrupted_message(_job_name(snakemake))
+        if _outputs_written(snakemake):
+            # The Ctrl-C landed as the job ended: every output is in place (each is
+            # written under a temporary name and renamed), so the job is done.  Failing
+            # it now made Snakemake delete a finished chunk, and the next run redo it.
+            print(f"{JOB_DONE} [{snakemake.rule}] (Ctrl-C after its outputs were written)")
+            return
+        name = _job_name(snakemake)
+        msg = interrupted_message(name, starts_over=name.startswith("chunk "))
         print(msg, flush=True)
         sys.__stderr__.write(f"hsextract [{snakemake.rule}]: {msg}\n")
         sys.exit(INTERRUPTED_EXIT)
@@ -54,6 +61,14 @@ def run_step(snakemake: Any, step: Callable[[Any], None]) -> None:
         raise
     finally:
         stream.flush()
+
+
+def _outputs_written(snakemake: Any) -> bool:
+    """Whether every output of the job exists (a job with none never counts as done)."""
+    import os
+
+    outputs = [str(o) for o in (getattr(snakemake, "output", None) or [])]
+    return bool(outputs) and all(os.path.exists(o) for o in outputs)
 
 
 def _job_name(snakemake: Any) -> str:

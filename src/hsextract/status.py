@@ -220,6 +220,10 @@ class Status:
     #: hsextract.audit.status_line: passed, FAILED (the run is unaudited), off, not run.
     audit: str | None = None
 
+    #: Snakemake's own lock on this run, left by a workflow that died (kill -9) in the
+    #: directory the run was made in: the next snakemake there fails until --unlock.
+    snakemake_lock: str | None = None
+
     @property
     def finished(self) -> bool:
         return self.split_done and self.chunks_done == self.chunks_total
@@ -231,14 +235,19 @@ class Status:
 
 
 def collect(
-    cfg: Config, *, window_s: float = DEFAULT_WINDOW_S, probe_timeout_s: float = 2.0
+    cfg: Config,
+    *,
+    window_s: float = DEFAULT_WINDOW_S,
+    probe_timeout_s: float = 2.0,
+    base: str | None = None,
 ) -> Status:
-    """The status of the config's run dir (which need not exist yet)."""
+    """The status of the config's run dir (which need not exist yet); relative paths
+    against ``base``, the directory the run was made in (config.locate_run), if given."""
     from hsextract.config import fingerprint, run_dir
     from hsextract.plan import chunk_states
 
-    rd = run_dir(cfg)
-    fp = fingerprint(cfg)
+    rd = run_dir(cfg, base)
+    fp = fingerprint(cfg, base)
     now = time.time()
     hidden = rd / "hidden"
     index_path = rd / "chunks" / "index.json"
@@ -296,7 +305,12 @@ def collect(
         eta_s=eta,
         manifest=(rd / "manifest.json").exists(),
         server=server_status(cfg, rd, timeout_s=probe_timeout_s),
-        last_error=_newest(last_error(rd / "logs", done), interrupted, hidden),
+        last_error=_newest(
+            last_error(rd / "logs", done, history=_merge_is_history(cfg, rd, base)),
+            interrupted,
+            hidden,
+        ),
+        snakemake_lock=None if pids else dead_snakemake_lock(rd),
         audit=audit_status_line(cfg, rd),
     )
 
@@ -436,6 +450,35 @@ def _workflow_holders(rd: Path) -> list[str]:
     return out
 
 
+def dead_snakemake_lock(rd: Path) -> str | None:
+    """Snakemake's lock directory when it holds a lock on this run's files though no
+    workflow holds the run (called only then): its workflow died without removing it
+    (``kill -9``), and every snakemake in that directory ends in a LockException until
+    ``snakemake --unlock``.  Only a lock naming a file of this run: another run's workflow
+    in the same directory may hold its own lock, alive."""
+    from hsextract.commands import sources_for
+
+    src = sources_for(rd)
+    locks = Path(src.workdir if src else os.getcwd()) / ".snakemake" / "locks"
+    run = os.path.realpath(rd)
+    try:
+        entries = [e for e in os.scandir(locks) if e.name.endswith(".lock")]
+    except OSError:
+        return None
+    for entry in entries:
+        try:
+            with open(entry.path) as f:
+                names = f.read().splitlines()
+        except OSError:
+            continue
+        base = Path(src.workdir) if src else Path.cwd()
+        for name in names:
+            path = os.path.realpath(base / name)
+            if path == run or path.startswith(run + os.sep):
+                return str(locks)
+    return None
+
+
 def server_status(cfg: Config, rd: Path, *, timeout_s: float = 2.0) -> ServerStatus:
     """This host's live server: recorded?  pid alive?  ``/health`` within ``timeout_s``?"""
     from hsextract.server import API_KEY_ENV, health, live_path
@@ -469,15 +512,37 @@ def server_status(cfg: Config, rd: Path, *, timeout_s: float = 2.0) -> ServerSta
     return out
 
 
-def last_error(logs: Path, done: AbstractSet[str] = frozenset()) -> LastError | None:
+def _merge_is_history(cfg: Config, rd: Path, base: str | None) -> frozenset[str]:
+    """``{"merge_and_shuffle.log"}`` when the published merge read exactly the inputs
+    there are now: a failed merge's error is then history (its input was restored, e.g.
+    from a backup with its old time, and nothing needed to rerun, so its log stays)."""
+    from hsextract.errors import HsextractError
+    from hsextract.plan import changed_inputs
+
+    stats = read_json(rd / "merged" / "stats.json")
+    if not isinstance(stats, dict) or "inputs" not in stats:
+        return frozenset()
+    try:
+        changed = changed_inputs(cfg, stats, base=Path(base) if base else None)
+    except (HsextractError, OSError):
+        return frozenset()
+    return frozenset() if changed else frozenset({"merge_and_shuffle.log"})
+
+
+def last_error(
+    logs: Path, done: AbstractSet[str] = frozenset(), history: AbstractSet[str] = frozenset()
+) -> LastError | None:
     """The newest error line of the rules' logs (the server's own log excluded).
 
-    A chunk's log is skipped once the chunk is done: its error is history.
+    A chunk's log is skipped once the chunk is done: its error is history; so is the log
+    of each name in ``history``.
     """
     best: LastError | None = None
     with contextlib.suppress(OSError):
         for entry in os.scandir(logs):
             if not entry.name.endswith(".log") or entry.name == "server.log":
+                continue
+            if entry.name in history:
                 continue
             m = _CHUNK_LOG_RE.fullmatch(entry.name)
             chunk = f"chunk_{m.group(1)}" if m else None
@@ -596,7 +661,14 @@ def render(st: Status) -> str:
         lines.append(f"eta       {_duration(st.eta_s)} (about {at}, at the recent rate)")
     elif not st.workflow_pids:
         run = snakemake_command("extract_all", run_dir=st.run_dir)
-        lines.append(f"eta       - (no workflow is running: `{run}`)")
+        if st.snakemake_lock:
+            unlock = snakemake_command("--unlock", run_dir=st.run_dir)
+            lines.append(
+                f"eta       - (no workflow is running; the last one died holding Snakemake's "
+                f"lock in {st.snakemake_lock}: first `{unlock}`, then `{run}`)"
+            )
+        else:
+            lines.append(f"eta       - (no workflow is running: `{run}`)")
     else:
         lines.append("eta       - (no progress measured yet)")
     srv = st.server

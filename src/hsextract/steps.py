@@ -145,10 +145,13 @@ def _warn_rejects(stats: dict, rejects_path: Path) -> None:
 
     with open(rejects_path) as f:
         first = [json.loads(line) for line in islice(f, 20)]
+    # Named as published (merged/rejects.jsonl, publish_merge's), where the user looks:
+    # the staged copy under merged/.next/ is replaced by the next merge.
+    published = rejects_path.parent.parent / rejects_path.name
     msg = (
         f"{stats['rejected']} of {stats['records_in']} records rejected, within "
         f"merge.max_reject_fraction: {reject_examples(first, total=stats['rejected'])}; all in "
-        f"{rejects_path}"
+        f"{published}"
     )
     log.warning("%s", msg)
     sys.__stderr__.write(f"hsextract [merge_and_shuffle]: {msg}\n")
