@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from hsextract import settings
-from tests.fixtures_demo import REPO
+from tests.fixtures_demo import REPO, kill_processes_under, wait_until_gone
 
 README = (REPO / "README.md").read_text()
 #: The README's model path, which only the user's machine has; the test's tiny model
@@ -132,33 +132,38 @@ def test_a_first_run_by_the_readme_alone(tmp_path, tiny_model):
     (me / "my.yaml").write_text(CONFIG.replace(MODEL_PLACEHOLDER, str(tiny_model)))
     fill = {"<checkout>": str(REPO)}
 
-    commands = [ln for ln in RUN_IT.splitlines() if ln.strip()]
-    assert [shlex.split(c)[:2] for c in commands] == [
-        ["snakemake", "-s"], ["hsextract", "run-dir"], ["hsextract", "verify"],
-    ], commands  # fmt: skip
-    _run(commands[0], me, fill)
-    run_dir = me / _run(commands[1], me, fill).stdout.strip().splitlines()[-1]  # as printed
-    assert run_dir.resolve().parent == (me / "out").resolve(), run_dir
-    fill["<manifest>"] = str(run_dir / "manifest.json")
-    verified = _run(commands[2], me, fill)
-    assert "ok" in (verified.stdout + verified.stderr).lower(), verified.stdout
+    try:
+        commands = [ln for ln in RUN_IT.splitlines() if ln.strip()]
+        assert [shlex.split(c)[:2] for c in commands] == [
+            ["snakemake", "-s"], ["hsextract", "run-dir"], ["hsextract", "verify"],
+        ], commands  # fmt: skip
+        _run(commands[0], me, fill)
+        run_dir = me / _run(commands[1], me, fill).stdout.strip().splitlines()[-1]  # as printed
+        assert run_dir.resolve().parent == (me / "out").resolve(), run_dir
+        fill["<manifest>"] = str(run_dir / "manifest.json")
+        verified = _run(commands[2], me, fill)
+        assert "ok" in (verified.stdout + verified.stderr).lower(), verified.stdout
 
-    manifest = json.loads((run_dir / "manifest.json").read_text())
-    assert manifest["totals"]["records"] == n_records, manifest["totals"]
+        manifest = json.loads((run_dir / "manifest.json").read_text())
+        assert manifest["totals"]["records"] == n_records, manifest["totals"]
 
-    # "Read them in Python", in the user's directory, the fingerprint filled in.
-    snippet = READ_IT.replace("<fingerprint>", run_dir.name)
-    snippet += (
-        "\nimport json\n"
-        "print(json.dumps({k: list(getattr(v, 'shape', ())) for k, v in rec.items()}))"
-    )
-    proc = subprocess.run([sys.executable, "-c", snippet], cwd=me, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    shapes = json.loads(proc.stdout.splitlines()[-1])
-    assert {"id", "input_ids", "loss_mask", "hidden_states", "aux_hidden_states"} <= set(shapes)
-    assert shapes["hidden_states"][1] == 16, shapes  # the tiny model's hidden size
+        # "Read them in Python", in the user's directory, the fingerprint filled in.
+        snippet = READ_IT.replace("<fingerprint>", run_dir.name)
+        snippet += (
+            "\nimport json\n"
+            "print(json.dumps({k: list(getattr(v, 'shape', ())) for k, v in rec.items()}))"
+        )
+        proc = subprocess.run([sys.executable, "-c", snippet], cwd=me, capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        shapes = json.loads(proc.stdout.splitlines()[-1])
+        assert {"id", "input_ids", "loss_mask", "hidden_states", "aux_hidden_states"} <= set(shapes)
+        assert shapes["hidden_states"][1] == 16, shapes  # the tiny model's hidden size
 
-    _run(EXPORT.strip(), me, fill)
-    exported = list((run_dir / "export" / "specforge").rglob("data_*.ckpt"))
-    assert len(exported) == n_records, len(exported)
+        _run(EXPORT.strip(), me, fill)
+        exported = list((run_dir / "export" / "specforge").rglob("data_*.ckpt"))
+        assert len(exported) == n_records, len(exported)
+        # The run stopped its server: nothing it started runs on in the user's directory.
+        assert not wait_until_gone(me, timeout=120)
+    finally:
+        kill_processes_under(me)
