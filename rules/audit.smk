@@ -8,10 +8,7 @@
 # After every later pass (stream.epochs_mode regenerate): an audit on the GPUs stops the
 # server, which those passes still use.
 
-
-def audit_target():
-    """state/audit.json when the audit is on (audit.records > 0), else nothing."""
-    return [run_path("state/audit.json")] if CFG.audit.records > 0 else []
+# extract_all and report_figures ask for it through audit_target (rules/common.smk).
 
 
 rule audit:

@@ -176,6 +176,12 @@ def pass_receipts():
     return [f for p in range(2, s.passes + 1) for f in receipts_of_pass(p)]
 
 
+def audit_target():
+    """state/audit.json when the audit is on (audit.records > 0), else nothing
+    (rules/audit.smk)."""
+    return [run_path("state/audit.json")] if CFG.audit.records > 0 else []
+
+
 def chunk_pass_inputs(wildcards):
     """extract_chunk_pass's inputs: a chunk job's, and every receipt of the pass before
     (ancient: they order the passes, they never make a chunk out of date)."""
