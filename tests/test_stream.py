@@ -24,6 +24,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from hsextract.chunks import ChunkWriter, sha256_file
 from hsextract.stream import gate, journal
+from hsextract.stream.loader import StreamLoader
 from hsextract.stream.reader import StreamDataset, consumed_seqs, offsets, share
 
 H, K = 4, 3
@@ -552,7 +553,7 @@ def ids_of(samples) -> list[str]:
 
 
 def loader(ds, workers=2, state=None):
-    dl = StatefulDataLoader(ds, batch_size=None, num_workers=workers)
+    dl = StreamLoader(ds, batch_size=None, num_workers=workers)
     if state is not None:
         dl.load_state_dict(state)
     return dl
@@ -913,9 +914,11 @@ class _Said(logging.Handler):
     def __init__(self, text: str) -> None:
         super().__init__()
         self.text, self.event = text, threading.Event()
+        self.message = ""
 
     def emit(self, record: logging.LogRecord) -> None:
         if self.text in record.getMessage():
+            self.message = record.getMessage()  # the last that matched
             self.event.set()
 
 

@@ -519,23 +519,24 @@ def tiny_specforge_draft():
 
 
 def test_specforge_loader_trains_from_a_run_in_progress_under_a_budget(tmp_path):
-    from torchdata.stateful_dataloader import StatefulDataLoader
-
+    """SpecForge's own normalizer, collator and draft model on the stream, checkpointing
+    (here: acking) when ``checkpoint_due`` says the run's ``checkpoint_chunks`` were
+    covered, under a budget that holds no more than that window."""
     from hsextract.stream.reader import consumed_seqs
-    from hsextract.stream.specforge import SpecForgeCollator, SpecForgeStreamDataset
+    from hsextract.stream.specforge import specforge_loader
 
     run = tmp_path / "run"
     bpt = _bytes_per_token(tmp_path / "scratch")
     ss = _settings(bpt)
     producer = Producer(run, ss, bpt)
-    ds = SpecForgeStreamDataset(run, max_len=64, seed=2, timeout_s=60)
-    dl = StatefulDataLoader(ds, batch_size=2, num_workers=0, collate_fn=SpecForgeCollator())
+    dl = specforge_loader(run, batch_size=2, max_len=64, seed=2, timeout_s=60)
     draft, teacher = tiny_specforge_draft()
     opt = torch.optim.AdamW(draft.parameters(), lr=1e-2)
     acker = journal.AckWriter(run)
     seen: list[str] = []
     losses: list[float] = []
     acked: set[int] = set()
+    last = None  # the loader state of the last checkpoint
     producer.start()
     try:
         for step, batch in enumerate(dl, 1):
@@ -559,10 +560,12 @@ def test_specforge_loader_trains_from_a_run_in_progress_under_a_budget(tmp_path)
             losses.append(float(loss))
             seen += [i for i, p in zip(batch["id"], batch["pad"], strict=True) if not p]
             producer.sample()
-            state = dl.state_dict()  # the checkpoint's loader state, then its ack
-            new = set(consumed_seqs(run, [state])) - acked  # one rank: its state
-            acker.ack(new, step=step)
-            acked |= new
+            if dl.checkpoint_due(ss.checkpoint_chunks, since=last):
+                last = dl.state_dict()  # the checkpoint's loader state, then its ack
+                new = set(consumed_seqs(run, [last])) - acked  # one rank: its state
+                assert len(new) >= ss.checkpoint_chunks
+                acker.ack(new, step=step)
+                acked |= new
     finally:
         producer.stop.set()
         journal.AckWriter(run).ack(list(range(N_CHUNKS)))

@@ -11,3 +11,21 @@ does (it imports :mod:`hsextract.capture` alone), and nothing here imports the s
 ``journal`` and ``budget`` are stdlib-only so a chunk job's gate costs no torch import;
 ``reader`` imports torch.
 """
+
+#: The trainer's names, importable as ``from hsextract.stream import StreamLoader``; loaded
+#: on first use, so the gate's import of this package stays free of torch.
+_TRAINER = {
+    "StreamDataset": "hsextract.stream.reader",
+    "consumed_seqs": "hsextract.stream.reader",
+    "checkpoint_due": "hsextract.stream.reader",
+    "StreamLoader": "hsextract.stream.loader",
+    "AckWriter": "hsextract.stream.journal",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _TRAINER:
+        import importlib
+
+        return getattr(importlib.import_module(_TRAINER[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

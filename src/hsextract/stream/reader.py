@@ -17,15 +17,18 @@ the odd record of every chunk and fall a record behind per such chunk, chunks ap
 pass.
 
 Resume: each worker's position is its ``state_dict`` (pass, chunk slot in the pass,
-position in its share of that chunk, padding yielded); torchdata's ``StatefulDataLoader``
+position in its share of that chunk, padding yielded); :class:`hsextract.stream.loader.
+StreamLoader` (torchdata's ``StatefulDataLoader``, one end-of-pass behaviour changed)
 gathers them from the worker processes and replays exactly what it had prefetched but not
 handed out.  A chunk is consumed once every worker of every rank has passed it
-(:func:`consumed_seqs` over all ranks' loader states).
+(:func:`consumed_seqs` over all ranks' loader states); :func:`checkpoint_due` says when a
+trainer must checkpoint for the budget's window to hold.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import random
@@ -48,11 +51,14 @@ from hsextract.chunkfile import (
 from hsextract.chunks import ChunkReader
 from hsextract.commands import snakemake_command
 from hsextract.config_types import StreamConfig
+from hsextract.stream.checkpoints import LATE_CHECKPOINT
 from hsextract.stream.journal import (
+    ACKS,
     JOURNAL,
     AckWriter,
     StreamError,
     file_identity,
+    read_lines,
     read_state,
     stream_dir,
 )
@@ -121,7 +127,28 @@ class StreamDataset(IterableDataset):
     one short of the others (ranks differ by one record at most) yields one padding sample
     (``pad`` True, one token, loss mask 0), so all ranks take the same number of steps and
     DDP never waits on a rank that ran out.  Real records are never dropped or repeated.
+
+    A sample is the layout's tensors plus ``id`` (the record's id, ``"<pad>"`` for
+    padding), ``seq`` (the journal's sequence number of its chunk, -1 for padding),
+    ``pass`` and ``pad`` (True for the padding sample: train on it, its loss mask is 0,
+    so that every rank steps; count only the others as trained).
+
+    Waiting: the reader waits for the journal (a chunk not announced yet, a nacked
+    chunk's redo) as long as it takes by default, since a trainer legitimately waits for
+    a workflow that is starting, queued or held by the budget; it logs a warning after
+    ``REPORT_S`` seconds of waiting and each ``REPORT_S`` after, saying what it waits for,
+    whether the workflow's gate is shut waiting for this trainer's acks (then a
+    checkpoint is overdue: :func:`checkpoint_due`) and whether any chunk job is in
+    flight.  ``timeout_s`` set: after that many seconds without the chunk it raises
+    :class:`StreamError` in one sentence instead.
+
+    Resume through :class:`hsextract.stream.loader.StreamLoader`; a state of an earlier
+    pass than :meth:`set_pass` chose (a checkpoint taken after that pass ended) starts the
+    chosen pass at its beginning.
     """
+
+    #: Seconds between the warnings of a reader that waits for the journal.
+    REPORT_S = 60.0
 
     def __init__(
         self,
@@ -146,6 +173,9 @@ class StreamDataset(IterableDataset):
         self.poll_s, self.timeout_s = poll_s, timeout_s
         self.pass_ = 1
         self._pos = {"pass": 1, "slot": 0, "pos": 0, "pad": 0}
+        #: (pass, slot) of the state this reader was resumed from, if any: whether a chunk
+        #: found deleted was covered by that checkpoint (open_checked's message).
+        self._resumed: tuple[int, int] | None = None
         #: Where this dataset's loader workers leave the chunks they hashed: each chunk is
         #: hashed once per loader, not once per worker reading a share of its records --
         #: and once per node under torchrun (:func:`verdict_dir`).
@@ -156,8 +186,15 @@ class StreamDataset(IterableDataset):
         return dict(self._pos)
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self._pos = {k: int(state[k]) for k in ("pass", "slot", "pos", "pad")}
-        self.pass_ = self._pos["pass"]
+        pos = {k: int(state[k]) for k in ("pass", "slot", "pos", "pad")}
+        if pos["pass"] < self.pass_:
+            # set_pass chose a later pass than the state's (a trainer resuming from the
+            # checkpoint it took after that pass ended, at its next epoch): taking the
+            # state's pass would read nothing of the chosen one, i.e. skip it.
+            return
+        self._pos = pos
+        self.pass_ = pos["pass"]
+        self._resumed = (pos["pass"], pos["slot"])
 
     def set_pass(self, pass_: int) -> None:
         self.pass_ = pass_
@@ -172,22 +209,43 @@ class StreamDataset(IterableDataset):
 
     def _wait(self, slot: int) -> tuple[list[dict], bool]:
         """The pass's chunks once its ``slot``-th is announced or the pass has ended."""
-        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        t0 = time.monotonic()
+        deadline = None if self.timeout_s is None else t0 + self.timeout_s
+        report = t0 + self.REPORT_S
         seen = None
         while True:
-            lines, ended = self._chunks_of_pass(read_state(self.sdir))
+            st = read_state(self.sdir)
+            lines, ended = self._chunks_of_pass(st)
             if len(lines) > slot or ended:
                 return lines, ended
-            if deadline is not None and time.monotonic() > deadline:
+            now = time.monotonic()
+            if deadline is not None and now > deadline:
                 raise StreamError(
                     f"rank {self.rank}: no chunk {slot} of pass {self.pass_} in "
-                    f"{self.sdir / JOURNAL} after {self.timeout_s} s; is the workflow running?"
+                    f"{self.sdir / JOURNAL} after {self.timeout_s} s"
+                    f"{waiting_why(self.run_dir, st, lines, self.pass_)}"
                 )
+            if now >= report:
+                report = now + self.REPORT_S
+                log.warning(
+                    "rank %d: waiting %.0f s for chunk %d of pass %d in %s%s (StreamDataset's "
+                    "timeout_s stops it instead)", self.rank, now - t0, slot, self.pass_,
+                    self.sdir / JOURNAL, waiting_why(self.run_dir, st, lines, self.pass_),
+                )  # fmt: skip
             seen = _wait_change(self.sdir / JOURNAL, seen, self.poll_s)
 
-    def _open(self, line: dict) -> tuple[ChunkReader, dict]:
+    def _open(self, line: dict, resume: str | None = None) -> tuple[ChunkReader, dict]:
         return open_checked(self.run_dir, line, who=f"rank {self.rank}", poll_s=self.poll_s,
-                            timeout_s=self.timeout_s, verified=self.verified)  # fmt: skip
+                            timeout_s=self.timeout_s, verified=self.verified,
+                            resume=resume)  # fmt: skip
+
+    def _resume_relation(self, slot: int) -> str:
+        """Where the state this reader resumed from stands to chunk ``slot`` of its pass:
+        ``past`` it (that checkpoint covers it), ``before`` it, or ``fresh`` (the pass was
+        started at its beginning, not from a state)."""
+        if self._resumed is None or self._resumed[0] != self.pass_:
+            return "fresh"
+        return "past" if self._resumed[1] > slot else "before"
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
@@ -209,7 +267,8 @@ class StreamDataset(IterableDataset):
                                             worker=wid, workers=nw)]  # fmt: skip
             reader = None
             if self._pos["pos"] < len(mine):
-                reader, line = self._open(line)  # the revision whose bytes were checked
+                # The revision whose bytes were checked.
+                reader, line = self._open(line, self._resume_relation(slot))
             while self._pos["pos"] < len(mine):
                 j = mine[self._pos["pos"]]
                 self._pos["pos"] += 1
@@ -268,6 +327,41 @@ class StreamDataset(IterableDataset):
         return {**out, "seq": -1, "pad": True}
 
 
+def waiting_why(run_dir: Path, st: Any, lines: list[dict], pass_: int, *,
+                epochs_mode: str = StreamConfig.epochs_mode) -> str:  # fmt: skip
+    """What a reader waiting for the pass's next chunk (``lines``: its chunks so far) can
+    tell about why, for its warning or its timeout's sentence: the workflow's gate shut
+    for acks of chunks this trainer read (it checkpoints too rarely: both sides wait for
+    good), or no chunk job in flight (no workflow running, or between jobs)."""
+    from hsextract.stream import gate  # stdlib only, like the journal
+
+    sdir = stream_dir(run_dir)
+    final = pass_ if epochs_mode == "keep" else 1
+    unacked = [int(c["seq"]) for c in lines if not st.is_acked(int(c["seq"]), final)]
+    try:
+        shut = json.loads((sdir / gate.GATE).read_text())
+    except (OSError, ValueError):
+        shut = {}
+    if shut.get("paused"):
+        since = time.strftime("%H:%M:%S", time.localtime(float(shut.get("since", 0))))
+        if not unacked:
+            return (
+                f"; the workflow's gate has been shut since {since} waiting for acks, though "
+                "every chunk this pass read so far is acknowledged (`hsextract status` names "
+                "what it waits for)"
+            )
+        seqs = str(unacked[0]) if len(unacked) == 1 else f"{unacked[0]}..{unacked[-1]}"
+        return (
+            f"; the workflow's gate has been shut since {since} waiting for acks, and "
+            f"{len(unacked)} chunk(s) this pass read (seqs {seqs}) are not acknowledged: "
+            f"{LATE_CHECKPOINT}"
+        )
+    jobs = len(gate.reservations(sdir))
+    if jobs:
+        return f"; {jobs} chunk job(s) in flight"
+    return "; no chunk job is in flight: is the workflow running? (`hsextract status` says)"
+
+
 def speculators_sample(rec: dict[str, Any], chunk: str) -> dict[str, torch.Tensor]:
     """One record as speculators' ``BaseDataset.__getitem__`` returns it (speculators
     0.9.0): aux layers concatenated, the pre-norm final state apart."""
@@ -295,6 +389,7 @@ def open_checked(
     poll_s: float = 0.05,
     timeout_s: float | None = None,
     verified: VerifiedDir | None = None,
+    resume: str | None = None,
 ) -> tuple[ChunkReader, dict]:
     """The chunk ``line`` announces, opened once its bytes hash to the journal's sha256,
     and the journal line of the revision read (the latest of its seq).
@@ -307,7 +402,9 @@ def open_checked(
     it once its pass has ended (no chunk job of it is left) unless a plan has taken the
     nack up (``deleted.jsonl``: ``why: nack`` of that revision): then it stops at once, in
     one sentence saying what to run.  ``who`` names the waiter in the timeout's sentence;
-    ``verified``: the reader's processes hash each chunk once between them.
+    ``verified``: the reader's processes hash each chunk once between them.  A payload
+    gone with no nack open stops the reader in one sentence (:func:`gone_text`; ``resume``
+    says where the reader's resumed state stands to this chunk, for it).
     """
     run_dir = Path(run_dir)
     sdir = stream_dir(run_dir)
@@ -325,13 +422,9 @@ def open_checked(
         except ChunkFileError as exc:
             if not isinstance(exc.__cause__, FileNotFoundError):
                 raise StreamError(f"{line['chunk']} (seq {seq}): {exc}") from exc
-            if not read_state(sdir).nack_open(seq):
-                raise StreamError(
-                    f"{line['chunk']} (seq {seq}) is announced but {path} is gone: it was "
-                    "deleted before this trainer's checkpoint acknowledged it (another "
-                    "trainer acked it, or a user removed it); resume from a checkpoint that "
-                    "still has it"
-                ) from None
+            st = read_state(sdir)
+            if not st.nack_open(seq):
+                raise StreamError(gone_text(run_dir, st, line, resume)) from None
             seen = None  # nacked, and removed for its redo by the plan
         if seen == line["sha256"]:
             try:  # its bytes were just hashed against the journal: no second hash
@@ -345,6 +438,47 @@ def open_checked(
         if seen is not None:
             AckWriter(run_dir).nack(seq, line["sha256"], seen, int(line.get("rev", 0)))
         line = _await_redo(run_dir, line, seen, who=who, poll_s=poll_s, timeout_s=timeout_s)
+
+
+def gone_text(run_dir: Path, st: Any, line: dict, resume: str | None) -> str:
+    """Why the payload of an announced chunk is gone, for a reader that needs it: acked
+    (by which step's checkpoint) and freed, or removed with no ack; and what to do, by
+    where the reader's resumed state stands to the chunk (``resume``: ``past`` -- that
+    checkpoint covers it --, ``before``, ``fresh`` -- the pass started at its beginning
+    --, or None: not known).  Why it matters: a trainer whose own checkpoint acked the
+    chunk is reading its pass again (its loader started it over), not racing another."""
+    seq = int(line["seq"])
+    head = f"{line['chunk']} (seq {seq}) is announced but {run_dir / line['path']} is gone"
+    freed = (st.deleted.get(seq) or {}).get("why") == "ack"
+    if seq not in st.acked and not freed:
+        return (
+            f"{head} and no checkpoint acknowledged it (a user or another tool removed "
+            f"it): run `{snakemake_command('extract_all', run_dir=run_dir)}` (it redoes "
+            "the chunk), then resume from your checkpoint"
+        )
+    steps = [a.get("step") for a in read_lines(stream_dir(run_dir) / ACKS)
+             if a.get("type") == "ack" and seq in a.get("seqs", ())]  # fmt: skip
+    by = f" at step {steps[0]}" if steps and steps[0] is not None else ""
+    acked = f"{head}: a checkpoint acknowledged it{by} and the workflow freed it"
+    if resume == "before":
+        return (
+            f"{acked}, a later one than the checkpoint this trainer resumed from; resume "
+            "from the latest checkpoint (the one that acknowledged it)"
+        )
+    if resume in ("past", "fresh"):
+        why = (
+            "this reader's resumed state is past it, yet reads it again"
+            if resume == "past"
+            else "this reader started its pass at the beginning instead of from that "
+            "checkpoint's loader state"
+        )
+        return (
+            f"{acked}, and {why}: resume with hsextract.stream.StreamLoader and load the "
+            "checkpoint's loader state into it (torchdata's StatefulDataLoader starts a "
+            "pass over from a state taken after the pass ended); a second trainer cannot "
+            "read what the first acknowledged"
+        )
+    return f"{acked}; resume from the latest checkpoint, which covers it"
 
 
 def _same_records(dealt: dict, read: dict) -> None:
@@ -492,3 +626,117 @@ def consumed_seqs(
                 at = off[min(int(w["slot"]), len(lines))]
                 upto = min(upto, at + (wid * world + rank - at) % n + int(w["pos"]) * n)
     return [int(c["seq"]) for c, end in zip(lines, off[1:], strict=True) if end <= upto]
+
+
+def _pass_of(states: list[dict[str, int] | None]) -> int | None:
+    """The pass a rank's loader is in: its workers' lowest (None: none reported yet)."""
+    passes = [int(w["pass"]) for w in states if w is not None]
+    return min(passes) if passes else None
+
+
+def _steps(states: list[dict[str, int] | None], lines: list[dict], pass_: int, *, rank: int,
+           world: int) -> int:  # fmt: skip
+    """Samples one rank's loader has handed out in ``pass_`` (padding included), from its
+    workers' states: its next record of the pass (as :func:`consumed_seqs` finds it) says
+    how many of its records it took.  ``lines`` must hold every chunk the rank read."""
+    off = offsets(lines)
+    n = world * len(states)
+    nxt, pad = off[-1], 0
+    for wid, w in enumerate(states):
+        if w is None:
+            return 0  # a worker that has not reported: nothing handed out yet
+        if int(w["pass"]) != pass_:
+            continue  # in a later pass: done with this one
+        at = off[min(int(w["slot"]), len(lines))]
+        nxt = min(nxt, at + (wid * world + rank - at) % n + int(w["pos"]) * n)
+        pad += int(w["pad"])
+    return len(range(rank, nxt, world)) + pad
+
+
+def _covered(
+    run_dir: Path,
+    loader_state: dict[str, Any] | None,
+    *,
+    rank: int,
+    world: int,
+    epochs_mode: str,
+    poll_s: float,
+    timeout_s: float | None,
+    pass_: int | None = None,
+) -> tuple[int | None, list[int]]:
+    """The pass of ``loader_state`` (or ``pass_`` for none) and the seqs a checkpoint taken
+    with every rank at its step covers: the chunks ending at or before record ``steps x
+    world`` of the pass (ranks step in lockstep, rank r's t-th sample is record
+    ``t x world + r``).  Every rank computes the same from its own state; a rank waits
+    here for the journal lines of records the other ranks took at this step."""
+    sdir = stream_dir(run_dir)
+    states = worker_states(loader_state) if loader_state else []
+    pass_ = _pass_of(states) or pass_
+    if pass_ is None:
+        return None, []
+    src = 1 if epochs_mode == "keep" else pass_
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    seen = None
+    while True:
+        st = read_state(sdir)
+        lines = [c for _, c in sorted(st.chunks.items()) if c["pass"] == src]
+        off = offsets(lines)
+        upto = _steps(states, lines, pass_, rank=rank, world=world) * world if states else 0
+        if src in st.ends:
+            upto = min(upto, off[-1])
+        if off[-1] >= upto:
+            return pass_, [int(c["seq"]) for c, end in zip(lines, off[1:], strict=True)
+                           if end <= upto]  # fmt: skip
+        if deadline is not None and time.monotonic() > deadline:
+            raise StreamError(
+                f"rank {rank}: the journal {sdir / JOURNAL} has no chunk for record {upto - 1} "
+                f"of pass {pass_}, which the other ranks have read at this step, after "
+                f"{timeout_s} s"
+            )
+        seen = _wait_change(sdir / JOURNAL, seen, poll_s)
+
+
+def checkpoint_due(
+    run_dir: str | os.PathLike[str],
+    loader_state: dict[str, Any],
+    since: dict[str, Any] | None = None,
+    *,
+    checkpoint_chunks: int,
+    rank: int = 0,
+    world: int = 1,
+    epochs_mode: str = StreamConfig.epochs_mode,
+    poll_s: float = 0.05,
+    timeout_s: float | None = None,
+) -> bool:
+    """Whether a trainer must checkpoint (then ack) now: ``checkpoint_chunks`` (the run's
+    ``stream.checkpoint_chunks``) or more chunks are covered since the checkpoint whose
+    loader state is ``since`` (None: the start), with every rank at the step of this
+    rank's ``loader_state``.  Call it on every rank after each step (every rank gets the
+    same answer from its own state: no collective) and checkpoint when it says so.
+
+    Why not a step count: chunks hold different numbers of records, so N steps may cover
+    no chunk or several; a trainer that covers more chunks than declared between
+    checkpoints needs more of them on disk than the budget holds for it, and then waits
+    for a chunk the workflow only writes after an ack that trainer has not written
+    (:data:`hsextract.stream.checkpoints.LATE_CHECKPOINT`).  Chunks of earlier passes
+    count too (a pass that ended since ``since``).  A rank ahead of the others waits here
+    for the journal lines of what they read at this step (``timeout_s``).
+    """
+    if checkpoint_chunks < 1:
+        raise ValueError(f"checkpoint_chunks {checkpoint_chunks} must be >= 1")
+    run_dir = Path(run_dir)
+    kw = {"rank": rank, "world": world, "epochs_mode": epochs_mode, "poll_s": poll_s,
+          "timeout_s": timeout_s}  # fmt: skip
+    now_pass, now = _covered(run_dir, loader_state, **kw)
+    if now_pass is None:
+        return False
+    then_pass, then = _covered(run_dir, since, pass_=now_pass, **kw)
+    assert then_pass is not None
+    if then_pass > now_pass:
+        raise ValueError(f"since is of pass {then_pass}, after the loader's pass {now_pass}")
+    if then_pass == now_pass:
+        return len(set(now) - set(then)) >= checkpoint_chunks
+    st = read_state(stream_dir(run_dir))
+    srcs = [1 if epochs_mode == "keep" else p for p in range(then_pass, now_pass)]
+    ended = sum(sum(1 for c in st.chunks.values() if c["pass"] == src) for src in srcs)
+    return ended - len(then) + len(now) >= checkpoint_chunks

@@ -8,7 +8,8 @@ algorithm turns into the draft model's inputs with its own factories
 ``target`` -- and ``build_offline_collator``, SpecForge's ``DataCollatorWithPadding``).
 Here those factories run on :class:`StreamDataset` samples (its ``specforge`` layout is
 that file's content), so nothing is written per record and the stream's split, shuffle,
-sha256 check, padding of a short rank and resume (``StatefulDataLoader``) hold unchanged.
+sha256 check, padding of a short rank and resume (:class:`StreamLoader`) hold unchanged;
+:func:`specforge_loader` builds that loader.
 SpecForge's ``DistributedSampler`` over the whole set is not used: it draws from every
 record at once, which a budget cannot keep on disk.  USP (sequence-parallel) preprocessing
 is not wired: it needs SpecForge's process groups.
@@ -24,6 +25,7 @@ from specforge.algorithms.eagle3.data import build_offline_collator, build_offli
 from torch.utils.data import IterableDataset
 
 from hsextract.config_types import StreamConfig
+from hsextract.stream.loader import StreamLoader
 from hsextract.stream.reader import StreamDataset
 
 
@@ -31,9 +33,10 @@ class SpecForgeStreamDataset(IterableDataset):
     """:class:`StreamDataset` (``layout="specforge"``) through SpecForge's own EAGLE-3
     offline normalizer; ``id``, ``seq`` and ``pad`` ride along (acks, bookkeeping).
 
-    Stateful like the dataset it wraps (torchdata's protocol), so a
-    ``StatefulDataLoader`` resumes it mid-pass; :func:`consumed_seqs` works on its loader
-    states (every rank's: the ranks read each chunk together).
+    Stateful like the dataset it wraps (torchdata's protocol), so a :class:`StreamLoader`
+    resumes it mid-pass (or at a pass's end: to nothing of it); :func:`consumed_seqs` works
+    on its loader states (every rank's: the ranks read each chunk together), and
+    ``StreamLoader.checkpoint_due`` on its loader.
     """
 
     def __init__(
@@ -82,3 +85,27 @@ class SpecForgeCollator:
         for k in self.KEEP:
             out[k] = [f[k] for f in features]
         return out
+
+
+def specforge_loader(
+    run_dir: str | os.PathLike[str],
+    *,
+    batch_size: int,
+    max_len: int = 2048,
+    num_workers: int = 0,
+    rank: int = 0,
+    world: int = 1,
+    seed: int = 0,
+    epochs_mode: str = StreamConfig.epochs_mode,
+    timeout_s: float | None = None,
+    **loader_kwargs: Any,
+) -> StreamLoader:
+    """SpecForge's offline batches from a run in progress: :class:`SpecForgeStreamDataset`
+    in a :class:`StreamLoader` with :class:`SpecForgeCollator`.  Its ``state_dict`` is the
+    checkpoint's loader state (resume: ``load_state_dict``), ``checkpoint_due`` says when
+    a checkpoint is due, and ``consumed_seqs`` of every rank's state what it covers.
+    ``loader_kwargs`` go to the loader (``prefetch_factor``, ``pin_memory``, ...)."""
+    ds = SpecForgeStreamDataset(run_dir, max_len=max_len, rank=rank, world=world, seed=seed,
+                                epochs_mode=epochs_mode, timeout_s=timeout_s)  # fmt: skip
+    return StreamLoader(ds, batch_size=batch_size, num_workers=num_workers,
+                        collate_fn=SpecForgeCollator(), **loader_kwargs)  # fmt: skip

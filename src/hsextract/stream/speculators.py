@@ -68,8 +68,10 @@ from hsextract.stream.reader import (
     StreamDataset,
     _seed_of,
     _wait_change,
+    log,
     open_checked,
     speculators_sample,
+    waiting_why,
 )
 
 Key = tuple[int, int]
@@ -207,17 +209,34 @@ class StreamPackingSampler(Sampler[list[Key]]):
         return [seq for n, seq in self._complete if n <= batches]
 
     def _wait(self, i: int) -> tuple[list[dict], bool]:
-        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        """The pass's chunks once its ``i``-th is announced or the pass has ended; warns
+        while it waits and raises after ``timeout_s`` as :class:`StreamDataset` does."""
+        t0 = time.monotonic()
+        deadline = None if self.timeout_s is None else t0 + self.timeout_s
+        report = t0 + StreamDataset.REPORT_S
         seen = None
+        pass_ = self.epoch + 1
         while True:
-            lines, ended = _pass_lines(self.run_dir, self.epoch + 1, self.epochs_mode)
+            lines, ended = _pass_lines(self.run_dir, pass_, self.epochs_mode)
             if len(lines) > i or ended:
                 return lines, ended
-            if deadline is not None and time.monotonic() > deadline:
+            now = time.monotonic()
+            if deadline is not None and now > deadline:
+                why = waiting_why(self.run_dir, read_state(stream_dir(self.run_dir)), lines,
+                                  pass_, epochs_mode=self.epochs_mode)  # fmt: skip
                 raise StreamError(
-                    f"no chunk {i} of pass {self.epoch + 1} in {stream_dir(self.run_dir) / JOURNAL}"
-                    f" after {self.timeout_s} s; is the workflow running?"
+                    f"no chunk {i} of pass {pass_} in {stream_dir(self.run_dir) / JOURNAL}"
+                    f" after {self.timeout_s} s{why}"
                 )
+            if now >= report:
+                report = now + StreamDataset.REPORT_S
+                why = waiting_why(self.run_dir, read_state(stream_dir(self.run_dir)), lines,
+                                  pass_, epochs_mode=self.epochs_mode)  # fmt: skip
+                log.warning(
+                    "rank %d: waiting %.0f s for chunk %d of pass %d in %s%s (the sampler's "
+                    "timeout_s stops it instead)", self.rank, now - t0, i, pass_,
+                    stream_dir(self.run_dir) / JOURNAL, why,
+                )  # fmt: skip
             seen = _wait_change(stream_dir(self.run_dir) / JOURNAL, seen, self.poll_s)
 
     def state_dict(self, batches: int) -> dict[str, Any]:
