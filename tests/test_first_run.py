@@ -137,7 +137,9 @@ def test_a_first_run_by_the_readme_alone(tmp_path, tiny_model):
         assert [shlex.split(c)[:2] for c in commands] == [
             ["snakemake", "-s"], ["hsextract", "run-dir"], ["hsextract", "verify"],
         ], commands  # fmt: skip
-        _run(commands[0], me, fill)
+        made = _run(commands[0], me, fill)
+        # The run's own summary says what it made and the command that checks it.
+        assert f"run finished: {n_records:,} records" in made.stdout + made.stderr, made.stderr
         run_dir = me / _run(commands[1], me, fill).stdout.strip().splitlines()[-1]  # as printed
         assert run_dir.resolve().parent == (me / "out").resolve(), run_dir
         fill["<manifest>"] = str(run_dir / "manifest.json")
