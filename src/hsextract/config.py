@@ -412,14 +412,14 @@ def schema_refusal(cfg: dict) -> str | None:
         return (
             f"config key {', '.join(hints)} is not a setting; "
             f"{where or 'the top level'} takes {', '.join(allowed)} "
-            "(README, 'What each setting changes')"
+            "(docs/configuration.md)"
         )
     value = json.dumps(error.instance, default=str)
     if error.validator == "required":
         return f"config {where or 'top level'}: {error.message}"
     return (
         f"config key {where or '(top level)'} = {value} is refused: {error.message}; set it to "
-        "a value it takes (README, 'What each setting changes')"
+        "a value it takes (docs/configuration.md)"
     )
 
 
