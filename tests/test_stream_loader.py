@@ -26,6 +26,7 @@ from hsextract.stream.reader import (
     consumed_seqs,
     worker_states,
 )
+from hsextract.stream.reader import offsets as offsets_of
 from tests.test_stream import (
     _Said,
     announce,
@@ -248,3 +249,42 @@ def test_a_waiting_reader_says_why_and_its_timeout_names_it(tmp_path):
     text = late_checkpoint_text(8, 2, 13)
     assert "13 chunk(s) unacknowledged against the 11 of its window" in text
     assert LATE_CHECKPOINT in text
+
+
+def test_the_example_trainer_resumed_from_its_final_checkpoint_trains_nothing_twice(tmp_path):
+    """tests/stream_trainer.py (2 DDP ranks over gloo, 2 loader workers each) trains the
+    pass, checkpoints after its loop, acks it all; resumed from that checkpoint it trains
+    nothing: its record list and step count stay as they were, each record once, and
+    ``--checkpoint-chunks`` checkpointed when chunks, not steps, said so.  Through
+    torchdata's own loader (51ddea2) the resumed trainer trained the whole pass again."""
+    import json
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    make_run(run, SIZES)
+    out = tmp_path / "trainer"
+    script = Path(__file__).parent / "stream_trainer.py"
+    base = [sys.executable, str(script), "--run-dir", str(run), "--out", str(out),
+            "--ckpt-every", "1000", "--checkpoint-chunks", "2"]  # fmt: skip
+    for resume in (False, True):
+        res = subprocess.run(base + (["--resume"] if resume else []), capture_output=True,
+                             text=True, timeout=600)  # fmt: skip
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        done = json.loads((out / "done.json").read_text())
+        if not resume:
+            first = done
+            acks = journal.read_lines(run / "stream" / "acks.jsonl")
+    trained = [i for rank in done["trained"] for i in rank]
+    assert Counter(trained) == ALL  # every record once, none again after the resume
+    assert done == first and done["step"] == 15
+    # A checkpoint at each step t once 2 more chunks end at or before record 2t (both
+    # ranks past them), then the one after the loop: steps 3, 8, 12, not any one period.
+    ends, want, seen = offsets_of([{"records": n} for n in SIZES])[1:], [], 0
+    for t in range(1, 16):
+        covered = sum(1 for e in ends if e <= 2 * t)
+        if covered - seen >= 2:
+            want.append(t)
+            seen = covered
+    assert want == [3, 8, 12]
+    assert [a["step"] for a in acks if a["type"] == "ack"] == [*want, 15]
