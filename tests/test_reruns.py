@@ -36,6 +36,10 @@ from hsextract.records import id_hash
 
 pytestmark = pytest.mark.workflow
 
+#: Seconds a test waits for an event of a workflow before calling it hung: generous (a
+#: loaded 2-core box runs the demo several times slower), as run_snakemake's 900.
+WORKFLOW_DEADLINE_S = 900
+
 
 def stamps(rd: Path) -> dict[str, tuple[str, int]]:
     return {
@@ -267,13 +271,18 @@ def test_stale_deletion_never_touches_a_live_foreign_or_older_run(tmp_path, monk
 
     A is held mid-chunk on an event: its server stops after chunk_00001's first pass until
     the test creates the gate file, however long B's four Snakemake runs take."""
-    small = {"demo.n_records": 16, "n_chunks": 2}
+    # A's request is held while B runs six commands: its timeout must outlast them however
+    # slow the machine (at the default 600 s a loaded box timed it out, and the retry
+    # swept the pieces this test checks are kept).
+    small = {"demo.n_records": 16, "n_chunks": 2, "client.request_timeout_s": 86400}
     a = make_workdir(tmp_path / "A", **small)
     gate, fault_log = tmp_path / "open-A", tmp_path / "a-faults.jsonl"
     hold = {
         "log": str(fault_log),
-        "extend": [{"rid": "chunk_00001", "nth": [1], "do": "wait", "gate": str(gate)}],
-    }
+        # The hold's own limit (600 s by default) would release A on its own while B runs.
+        "extend": [{"rid": "chunk_00001", "nth": [1], "do": "wait", "gate": str(gate),
+                    "timeout_s": 86400}],
+    }  # fmt: skip
     proc = start_snakemake(a, "-j1", "extract_all", faults=hold)
     # B's server needs an owner the test controls (not pytest: a server outlived the test
     # that way): this process ends when the test does, its pipe closed, and the watchdog
@@ -284,14 +293,18 @@ def test_stale_deletion_never_touches_a_live_foreign_or_older_run(tmp_path, monk
     try:
         monkeypatch.chdir(a)
         a_dump = dump_dir(read_config("config.yaml"))
-        deadline = time.monotonic() + 300
+        # A builds the demo and extracts a chunk first: on a loaded box that took more than
+        # the 300 s this waited.  The wait ends on the event, or on A's exit (it ran past
+        # the hold, or failed); the deadline only stops a hang.
+        deadline = time.monotonic() + WORKFLOW_DEADLINE_S
 
         def held() -> bool:
             mid = any(k.startswith("chunk_00001") for k in _pieces(a_dump))
             return mid and fault_log.exists()
 
         while not held():
-            assert proc.poll() is None and time.monotonic() < deadline, "A never got mid-chunk"
+            assert proc.poll() is None, "A ended without being held mid-chunk"
+            assert time.monotonic() < deadline, "A never got mid-chunk"
             time.sleep(0.05)
         in_flight = _pieces(a_dump)
 
@@ -394,6 +407,9 @@ def test_dump_space_stays_within_the_budget_with_two_jobs(demo_run, tmp_path, mo
             "n_chunks": 2,
             "dump.shm_budget_gb": budget / 2**30,
             "client.requests_in_flight": 2,
+            # The held requests wait for the other job's start: no timeout of theirs may end
+            # that wait on a slow machine (the default 600 s could).
+            "client.request_timeout_s": 86400,
             # Passes filled across requests (SGLang's own scheduling).
             "server.batch_invariant": False,
         },
@@ -401,7 +417,9 @@ def test_dump_space_stays_within_the_budget_with_two_jobs(demo_run, tmp_path, mo
     gate, log = tmp_path / "open", tmp_path / "f.jsonl"
     hold = {
         "log": str(log),
-        "extend": [{"rid": "chunk_", "nth": [1], "do": "wait", "gate": str(gate)}],
+        "extend": [
+            {"rid": "chunk_", "nth": [1], "do": "wait", "gate": str(gate), "timeout_s": 86400}
+        ],  # released by the test, never by the clock
     }
     proc = start_snakemake(wd, "-j2", "extract_all", faults=hold)
 
@@ -422,13 +440,18 @@ def test_dump_space_stays_within_the_budget_with_two_jobs(demo_run, tmp_path, mo
         monkeypatch.chdir(wd)
         ddir = dump_dir(read_config("config.yaml"))
         live = server.live_path(run_dir_of(wd) / "state")
-        peak, reserved_peak, deadline = 0, 0, time.monotonic() + 300
+        # The deadline runs from the hold, not from the test's start: the workflow's start
+        # (demo, merge, server) is no part of what it bounds, and on a loaded box it took
+        # most of the 300 s this once allowed from the start.
+        peak, reserved_peak, deadline = 0, 0, None
         while proc.poll() is None:
             peak = max(peak, sum(_pieces(ddir).values()))
             taken = ledger(ddir)
             owners |= {o for o, _ in taken}
             reserved_peak = max(reserved_peak, sum(b for _, b in taken))
             if held() and not gate.exists():
+                if deadline is None:
+                    deadline = time.monotonic() + WORKFLOW_DEADLINE_S
                 assert time.monotonic() < deadline, f"the budget never filled: ledger {taken}"
                 state = server.read_json(live)
                 info = requests.get(f"{state['url']}/get_server_info", timeout=10).json()
