@@ -562,9 +562,40 @@ def _plan(
                     remove.append({**item, "bytes": nbytes + os.lstat(p / RUN_MARKER).st_size})
                 elif files or dirs:  # someone's files in it: they, the dir, the marker stay
                     remove.append({**item, "kind": "dump_pieces"})
+            elif not active_holders(Path(run)):
+                # Its run is kept but nothing holds it (no workflow, no live server): a
+                # workflow SIGKILLed and not rerun left it, in RAM.  Only what the protocol
+                # writes goes (someone's file keeps the dir); the run's next server makes
+                # it again.
+                if not foreign:
+                    remove.append({**item, "bytes": nbytes + os.lstat(p / RUN_MARKER).st_size})
+                elif files or dirs:
+                    remove.append({**item, "kind": "dump_pieces"})
+                else:
+                    kept.append({**item, "why": "holds only files not written by hsextract"})
             else:
                 kept.append({**item, "why": f"its run {run} is kept"})
     return remove, kept, skipped
+
+
+def unclaimed_dumps(output_root: Path, dump_root: Path) -> list[dict[str, Any]]:
+    """Dump dirs of runs under ``output_root`` that no workflow or live server holds
+    (``hsextract status`` names them): path, run dir, bytes, and whether someone's files
+    are in it (then only its protocol files go).  A read: nothing is removed."""
+    out = []
+    root = Path(os.path.realpath(output_root))
+    dumps, _ = _candidates(Path(dump_root))
+    for p in dumps:
+        info = _marker(p)
+        run = str(info.get("run_dir", ""))
+        if info.get("output_root") != str(root) or not run:
+            continue
+        if Path(run).is_dir() and active_holders(Path(run)):
+            continue
+        files, dirs, foreign, nbytes = _sort_dump(p)
+        out.append({"path": os.path.abspath(p), "run_dir": run, "bytes": nbytes,
+                    "foreign": len(foreign)})  # fmt: skip
+    return out
 
 
 def _write_report(path: Path, report: dict[str, Any]) -> None:

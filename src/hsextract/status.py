@@ -220,6 +220,10 @@ class Status:
     #: hsextract.audit.status_line: passed, FAILED (the run is unaudited), off, not run.
     audit: str | None = None
 
+    #: Dump dirs (/dev/shm) of runs under the output root that nothing holds:
+    #: stale.unclaimed_dumps.
+    unclaimed_dumps: list[dict[str, Any]] = field(default_factory=list)
+
     #: Snakemake's own lock on this run, left by a workflow that died (kill -9) in the
     #: directory the run was made in: the next snakemake there fails until --unlock.
     snakemake_lock: str | None = None
@@ -311,6 +315,7 @@ def collect(
             hidden,
         ),
         snakemake_lock=None if pids else dead_snakemake_lock(rd),
+        unclaimed_dumps=_unclaimed_dumps(cfg, rd),
         audit=audit_status_line(cfg, rd),
     )
 
@@ -693,6 +698,13 @@ def render(st: Status) -> str:
         lines.append(f"          also recorded on host(s): {', '.join(srv.other_hosts)}")
     if st.audit is not None:
         lines.append(f"audit     {st.audit}")
+    for d in st.unclaimed_dumps:
+        theirs = f" (its {d['foreign']} file(s) not ours stay)" if d["foreign"] else ""
+        lines.append(
+            f"dump dir  {d['path']} ({d['bytes']:,} bytes of pieces) of run {d['run_dir']}, "
+            "which no workflow or server holds: the next workflow under this output root "
+            f"removes it{theirs}"
+        )
     err = st.last_error
     if err is None:
         lines.append("error     none")
@@ -702,3 +714,14 @@ def render(st: Status) -> str:
         lines.append(f"error     {where} ({ago} ago, {err.log}):")
         lines.append(f"          {err.message}")
     return "\n".join(lines)
+
+
+def _unclaimed_dumps(cfg: Config, rd: Path) -> list[dict[str, Any]]:
+    """Dump dirs a workflow killed and not rerun left in RAM, of any run under this
+    output root (stale.unclaimed_dumps); the stale stage of the next workflow removes them."""
+    from hsextract.config import dump_dir
+    from hsextract.stale import unclaimed_dumps
+
+    with contextlib.suppress(OSError):
+        return unclaimed_dumps(rd.parent, dump_dir(cfg).parent)
+    return []
