@@ -545,12 +545,14 @@ def measure(
             codec_noise = max(_rel(e, r) for e, r in cn)
             noise = math.sqrt(noise**2 + codec_noise**2)
         worst = max(per_rec)
+        i_worst = per_rec.index(worst)
         entry: dict[str, Any] = {
             "layer": key,
             "name": layer_name(key, num_layers),
             "rel_rms": err,
             "rel_rms_worst_record": worst,
             "cosine": sum(p["cos_sum"] for p in per) / sum(p["n"] for p in per),
+            "cosine_worst_record": per[i_worst]["cos_sum"] / max(per[i_worst]["n"], 1),
             "noise": noise,
             "dtype_noise": dtype_noise,
             "codec_noise": codec_noise,
@@ -568,7 +570,7 @@ def measure(
                 nagree = sum(int((s == t).sum()) for s, t in zip(noise_top1, ref_top1, strict=True))
                 entry["top1_agreement_dtype_noise"] = nagree / tokens
         if entry["verdict"] == "fail":
-            i = per_rec.index(worst)
+            i = i_worst
             entry["diagnosis"] = _diagnose(records[i].states[key], refs[i], key, num_layers)
         layers[str(key)] = entry
 
@@ -673,7 +675,8 @@ def failure_sentence(layers: dict[str, dict]) -> str:
     also = f"; also failing: {', '.join(others)}" if others else ""
     return (
         f"audit failed: the stored {e['name']} differs from the model's forward by a "
-        f"relative RMS error of {e['rel_rms_worst_record']:.3g} (cosine {e['cosine']:.4f}), "
+        f"relative RMS error of {e['rel_rms_worst_record']:.3g} (cosine "
+        f"{e['cosine_worst_record']:.4f}), "
         f"over {FAIL_X:g}x the bound {e['noise']:.3g}, on {len(recs)} record(s) {shown}{why}"
         f"{also}; nothing was deleted, the run is marked unaudited ({FAILED_FILE})"
     )
