@@ -287,3 +287,25 @@ def test_the_fp8_codec_error_is_measured_into_the_bound(demo_run):
     assert all(e["verdict"] == "pass" and e["codec_noise"] > 0 for e in layers.values()), layers
     layers = audit.measure(path, records, 8, "float32", "lossless", cpu)
     assert all(e["verdict"] == "fail" for e in layers.values()), layers
+
+
+def test_the_prenorm_state_is_audited_where_captured(demo_run):
+    """With prenorm_final the stream before the final norm (aux index L) is one more
+    audited tensor; stored as the normed state instead, it fails under its own name."""
+    from transformers import AutoModelForCausalLM
+
+    path = demo_run["workdir"] / "results" / "demo" / "model"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    records = _demo_records(demo_run)
+    for r in records:
+        got = audit.forward_states(model, r.input_ids, {2, 4, 5, 8}, 8)
+        r.states = {k: got[k].float() for k in (2, 4, 5, 8, "final")}
+    cpu = audit.Placement("cpu", None, None, "")
+    layers = audit.measure(path, records, 8, "float32", "lossless", cpu)
+    assert layers["8"]["name"] == "pre-norm final state (aux 8)"
+    assert all(e["verdict"] == "pass" for e in layers.values()), layers
+    for r in records:
+        r.states[8] = r.states["final"]
+    layers = audit.measure(path, records, 8, "float32", "lossless", cpu)
+    assert [k for k, e in layers.items() if e["verdict"] == "fail"] == ["8"], layers
+    assert layers["8"]["diagnosis"] == "it matches the final state after the norm instead"
