@@ -153,6 +153,17 @@ def chunk_outputs():
     return {**out, "sidecar": run_path("hidden/chunk_{chunk}.json")}
 
 
+def receipt_forced(output, rule):
+    """Under a budget, whether the command line forces this chunk's receipt (a redo asked
+    for): otherwise a chunk announced before an interruption gets its receipt back instead
+    of a second extraction (hsextract.stream.producer.restore)."""
+    if CFG.stream.budget_gb is None:
+        return False
+    from hsextract.stream.receipts import forced_by_user
+
+    return forced_by_user(workflow.dag_settings, output.sidecar, rule)
+
+
 def chunk_targets():
     """extract_all's chunk files: the chunk files, or under a disk budget the receipts
     (a payload lost before its ack is found by the plan: plan.changed_note), and with

@@ -71,6 +71,7 @@ rule extract_chunk:
     params:
         chunk=run_path("chunks/chunk_{chunk}.jsonl"),
         hidden=run_path("hidden/chunk_{chunk}.safetensors"),
+        forced=lambda wildcards, output: receipt_forced(output, "extract_chunk"),
     # sglang.dp_size x tp_size (0 for the reference engine): under SLURM, --gpus per group.
     resources:
         gpu=SERVER_GPUS,
@@ -100,6 +101,7 @@ rule extract_chunk_pass:
         chunk=run_path("chunks/chunk_{chunk}.jsonl"),
         hidden=run_path("hidden/pass{p}/chunk_{chunk}.safetensors"),
         stream_pass=lambda wildcards: int(wildcards.p),
+        forced=lambda wildcards, output: receipt_forced(output, "extract_chunk_pass"),
     resources:
         gpu=SERVER_GPUS,
     wildcard_constraints:

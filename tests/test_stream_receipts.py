@@ -21,6 +21,7 @@ from fixtures_demo import (
     planned_jobs,
     run_dir_of,
     run_snakemake,
+    start_snakemake,
 )
 
 from hsextract.chunkfile import sha256_file
@@ -206,6 +207,93 @@ def gate_in_thread(run_dir: Path, ss: gate.StreamSettings, chunk: str, out: dict
     t = threading.Thread(target=job, daemon=True)
     t.start()
     return t
+
+
+#: A chunk job past its gate, writing: its partial file and spill, then it waits to be killed.
+JOB = """
+import os, sys
+from pathlib import Path
+from hsextract.stream import gate
+rd, chunk = Path(sys.argv[1]), sys.argv[2]
+ss = gate.StreamSettings(budget_gb=float(sys.argv[3]), prefetch_chunks=1, checkpoint_chunks=1,
+                         low_mark=0.9, poll_s=0.05)
+gate.wait_for_room(rd, ss, chunk=chunk, tokens=100, raw_bytes_per_token=1, largest_tokens=100,
+                   run_tokens=300)
+h = rd / "hidden"
+h.mkdir(exist_ok=True)
+(h / f".{chunk}.safetensors.{os.getpid()}.tmp").write_bytes(b"x" * 100_000)
+(h / f".{chunk}.safetensors.{os.getpid()}.spill.tmp").write_bytes(b"x" * 20_000)
+print("writing", flush=True)
+sys.stdin.read()
+"""
+
+
+def writing_job(run_dir: Path, chunk: str, budget_gb: float) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", JOB, str(run_dir), chunk, str(budget_gb)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout.readline() == "writing\n"  # the event: past its gate, files written
+    return proc
+
+
+def test_a_chunk_jobs_files_count_until_removed_and_a_dead_ones_go_at_the_next_look(tmp_path):
+    """A live chunk job's partial file and spill count as max(its reservation, their
+    size): a gate that fits the reservation but not the files waits.  A job SIGKILLed
+    leaves them: they count in full (status names them) until the next gate or
+    ``hsextract stream gc`` removes them -- only names of ours, never a link.  On 51ddea2
+    they counted nothing, and stayed until that chunk's own redo."""
+    budget = 150_000 / 1e9  # the job reserves ~65.6 kB (an estimate: 100 tokens + 64 KiB)
+    ss = gate.StreamSettings(budget_gb=budget, prefetch_chunks=1, checkpoint_chunks=1,
+                             low_mark=0.9, poll_s=0.05)  # fmt: skip
+    hidden = tmp_path / "hidden"
+    jobs = []
+    try:
+        jobs.append(writing_job(tmp_path, "chunk_00002", budget))
+        hidden.joinpath(".chunk_00002.safetensors.mine.tmp").write_text("a user's")
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.write_bytes(b"y" * 50_000)
+        hidden.joinpath(".chunk_00002.safetensors.999.tmp").symlink_to(elsewhere)
+        st = journal.read_state(tmp_path / "stream")
+        reserved = gate.reservations(tmp_path / "stream")["chunk_00002"]
+        assert reserved < 120_000
+        assert gate.jobs_bytes(tmp_path, st) == {"chunk_00002": 120_000}
+        # Another chunk's gate: the reservation + its estimate fit, the files do not.
+        out: dict = {}
+        gate_in_thread(tmp_path, ss, "chunk_00003", out)
+        poll_until(lambda: gate.summary(tmp_path)["paused"], "the gate shut")
+        assert not out["done"].is_set()
+        jobs[0].kill()  # SIGKILL: its reservation goes, its files stay ...
+        jobs[0].wait()
+        assert out["done"].wait(30) and "got" in out, out  # ... until the gate's next look
+        left = sorted(p.name for p in hidden.iterdir())
+        assert left == [".chunk_00002.safetensors.999.tmp", ".chunk_00002.safetensors.mine.tmp"]
+        assert elsewhere.stat().st_size == 50_000
+
+        # Killed with no gate looking: counted in full, named by status, removed by gc.
+        jobs.append(writing_job(tmp_path, "chunk_00004", budget))
+        jobs[1].kill()
+        jobs[1].wait()
+        info = gate.summary(tmp_path)
+        assert [Path(p).name.split(".")[1] for p in info["dead_temp_files"]] == ["chunk_00004"] * 2
+        assert "temporary file(s) of chunk jobs that died" in gate.waiting_text(info)
+        st = journal.read_state(tmp_path / "stream")
+        assert gate.jobs_bytes(tmp_path, st)["chunk_00004"] == 120_000
+        assert gate.usage_figures(tmp_path, st, ss)["jobs_bytes"] >= 120_000
+        gate.gc(tmp_path, ss)
+        assert not gate.summary(tmp_path)["dead_temp_files"]
+        assert sorted(p.name for p in hidden.iterdir()) == left
+    finally:
+        for j in jobs:
+            if j.poll() is None:
+                j.kill()
+                j.wait()
+        gate.release(tmp_path, "chunk_00003")
+
+
+def poll_until(predicate, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
 
 
 def test_a_shut_gate_fails_at_once_while_the_trainer_waits_for_a_redo_nothing_runs(tmp_path):
@@ -469,10 +557,29 @@ def test_acked_deleted_chunks_are_done_and_a_payload_lost_before_its_ack_is_redo
         assert [n for n in sorted(now) if now[n] != stamps[n]] == ["chunk_00002.json"]
 
         # One chunk redone on request under a budget: its receipt named, forced (README).
-        run_snakemake(wd, "-j1", "-f", rel(rd, wd, "chunk_00000.json"))
-        assert (rd / "hidden" / "chunk_00000.safetensors").exists()  # kept by its own job
+        # Charged to the budget (its gate reserved it: a "pass" sample) and, acked already,
+        # announced as a new revision recording its file: freed like any other (here by
+        # gc: its own job leaves it to the next look).  On 51ddea2 it was never freed.
+        passes = [u for u in journal.read_lines(sdir / "usage.jsonl") if u["event"] == "pass"]
+        res = run_snakemake(wd, "-j1", "-f", rel(rd, wd, "chunk_00000.json"))
+        assert "receipt restored" not in res.stdout + res.stderr  # forced: extracted
+        usage = journal.read_lines(sdir / "usage.jsonl")
+        now = [u for u in usage if u["event"] == "pass"]
+        assert [u["chunk"] for u in now[len(passes) :]] == ["chunk_00000"]
+        assert (rd / "hidden" / "chunk_00000.safetensors").exists()
         lines = chunk_lines(rd)
-        assert Counter(ln["chunk"] for ln in lines) == {f"chunk_{i:05d}": 1 for i in range(4)}
+        assert Counter(ln["chunk"] for ln in lines) == {
+            "chunk_00000": 2,
+            **{f"chunk_{i:05d}": 1 for i in range(1, 4)},
+        }
+        seq = next(ln["seq"] for ln in lines if ln["chunk"] == "chunk_00000")
+        assert (lines[-1]["chunk"], lines[-1]["rev"], lines[-1]["seq"]) == ("chunk_00000", 1, seq)
+        assert gate.summary(rd)["acked_on_disk"] == 1  # waiting for the next look
+        gc = hsextract(wd, "stream", "gc", "--configfile", "config.yaml")
+        assert gc.returncode == 0, gc.stderr
+        assert not (rd / "hidden" / "chunk_00000.safetensors").exists()
+        freed = [d for d in journal.read_lines(sdir / "deleted.jsonl") if d["seq"] == seq]
+        assert [d.get("rev", 0) for d in freed] == [0, 1]
         # No chunk to redo (the manifest follows the new sidecar, as offline).
         dry = planned_jobs(run_snakemake(wd, "-n", "extract_all").stdout)
         assert set(dry) <= {"manifest", "audit", "report_figures", "extract_all"}, dry
@@ -635,3 +742,62 @@ def test_the_plan_hashes_nacked_payloads_outside_the_lock_and_deletes_only_uncha
     assert receipts.redo_nacked(tmp_path) == []  # each deletion once, logged once
     deleted = journal.read_lines(tmp_path / "stream" / gate.DELETED)
     assert [(d["seq"], d["why"]) for d in deleted] == [(0, "nack"), (1, "nack")]
+
+
+def killed_after_announcing(wd: Path, rd: Path, chunk: str, flog: Path) -> None:
+    """Run ``chunk``'s receipt alone, the workflow SIGKILLed (its whole process group)
+    right after the chunk's announcement, before Snakemake saw its job end: a deterministic
+    kill (faults ``announce``), not a watcher racing the job."""
+    faults = {"log": str(flog), "announce": [{"chunk": chunk, "do": "kill_group"}]}
+    proc = start_snakemake(wd, "-j1", rel(rd, wd, f"{chunk}.json"), faults=faults)
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode == -9, out[-4000:]
+    assert [json.loads(x)["chunk"] for x in flog.read_text().splitlines()][-1] == chunk
+    run_snakemake(wd, "--unlock")
+
+
+@pytest.mark.workflow
+def test_a_chunk_announced_before_a_kill_is_restored_by_the_rerun_not_extracted_again(
+    tmp_path,
+):
+    """Killed after a chunk's announcement, the workflow's rerun (the profile's
+    rerun-incomplete: Snakemake deletes the job's receipt first) restores the receipt of
+    the chunk -- acked by then (its payload freed once), or not (its payload stays, the
+    very file announced) -- and extracts nothing.  On 51ddea2 the rerun extracted both
+    again: the acked one's new payload was counted by nothing and stayed on disk."""
+    wd, rd = workdir(tmp_path)
+    sdir = rd / "stream"
+    try:
+        killed_after_announcing(wd, rd, "chunk_00000", tmp_path / "f0.jsonl")
+        killed_after_announcing(wd, rd, "chunk_00001", tmp_path / "f1.jsonl")
+        lines = {ln["chunk"]: ln for ln in chunk_lines(rd)}
+        assert sorted(lines) == ["chunk_00000", "chunk_00001"]
+        journal.AckWriter(rd).ack([lines["chunk_00001"]["seq"]])  # chunk 0 not acked
+        kept = (rd / "hidden" / "chunk_00000.safetensors").stat()
+
+        res = run_snakemake(wd, "-j1", "extract_all")
+        said = res.stdout + res.stderr
+        for c in ("chunk_00000", "chunk_00001"):
+            assert f"hsextract [{c}]: announced before: receipt restored" in said, said[-4000:]
+            log = (rd / "logs" / f"extract_{c}.log").read_text()
+            assert "receipt restored, nothing extracted" in log, log[-2000:]
+        # Chunk 0: the payload announced, untouched (same inode and mtime).
+        now = (rd / "hidden" / "chunk_00000.safetensors").stat()
+        assert (now.st_ino, now.st_mtime_ns) == (kept.st_ino, kept.st_mtime_ns)
+        # Chunk 1: acked, freed once, not written again.
+        assert not (rd / "hidden" / "chunk_00001.safetensors").exists()
+        freed = [d["chunk"] for d in journal.read_lines(sdir / "deleted.jsonl")]
+        assert freed == ["chunk_00001"], freed
+        assert Counter(ln["chunk"] for ln in chunk_lines(rd)) == {
+            f"chunk_{i:05d}": 1 for i in range(4)
+        }
+        # Done: nothing to plan, status counts every payload on disk and nothing else.
+        dry = run_snakemake(wd, "-n", "extract_all")
+        assert "Nothing to be done" in dry.stdout, dry.stdout[-3000:]
+        status = hsextract(wd, "status", "--configfile", "config.yaml", "--json")
+        stream = json.loads(status.stdout)["stream"]
+        on_disk = sum(p.stat().st_size for p in (rd / "hidden").glob("*.safetensors"))
+        assert stream["payload_bytes"] == on_disk and stream["temp_files"] == 0, stream
+        assert json.loads(status.stdout)["chunks_done"] == 4
+    finally:
+        kill_processes_under(wd)

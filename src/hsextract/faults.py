@@ -23,7 +23,13 @@ Spec (every key optional)::
                                                 | "flip_id", "index": -1}
       ],
       "chunk_write": [               # in the workflow's chunk writer (ChunkWriter.put)
-        {"chunk": "chunk_00001", "nth": [3], "do": "enospc"}
+        {"chunk": "chunk_00001", "nth": [3], "do": "enospc" | "kill_group"}
+      ],
+      "announce": [                  # in a chunk job, right after its chunk's announcement
+        {"chunk": "chunk_00001", "do": "kill_group"}   # (stream.budget_gb: the journal line)
+      ],
+      "ack": [                       # in a trainer's AckWriter.ack (stream.journal)
+        {"when": "before" | "after" | "after_last", "nth": [2], "do": "kill_group"}
       ],
       "load": [                      # in the engine, before it loads its model and binds
         {"do": "wait", "gate": "/tmp/x/loaded", "timeout_s": 600},
@@ -54,6 +60,12 @@ list, or ``"all"``, the default).  Actions:
 - ``drop``: delete one piece (default: the last) -- a coverage gap after completion;
 - ``flip_id``: change the first token id stored in one piece -- broken token parity;
 - ``enospc``: raise ``OSError(ENOSPC)`` from the chunk writer, as a full disk would;
+- ``kill_group``: SIGKILL the chunk job's process group -- the whole workflow, as a
+  ``kill -9`` of it, a node lost or a cancelled allocation would -- mid-chunk (its
+  partial file on disk) or right after its announcement (before Snakemake saw it end); in
+  a trainer, its ranks and loader workers, before an ack (its checkpoint committed, the
+  ack not written), after one, or ``after_last``: after the ack that leaves every chunk
+  of the pass acknowledged (the trainer's last checkpoint);
 - ``slow``: the scheduler sleeps ``seconds`` after the pass, as a slow forward would, so a
   request outlives the client's timeout with passes still to run;
 - extend ``kill``: SIGKILL the process that ran the pass -- with ``--dp-size`` > 1 one DP
@@ -91,7 +103,9 @@ from typing import Any
 ENV = "HSEXTRACT_FAULTS"
 _GENERATE_ACTIONS = {"500", "hang", "kill", "cut"}
 _PIECE_ACTIONS = {"truncate", "bad_header", "drop", "flip_id"}
-_WRITE_ACTIONS = {"enospc"}
+_WRITE_ACTIONS = {"enospc", "kill_group"}
+_ANNOUNCE_ACTIONS = {"kill_group"}
+_ACK_ACTIONS = {"kill_group"}
 _EXTEND_ACTIONS = {"slow", "kill", "wait"}
 _LOAD_ACTIONS = {"wait", "exit"}
 _CAPTURE_ACTIONS = {"layer_off_by_one", "final_prenorm", "shift_positions"}
@@ -115,6 +129,8 @@ def load(raw: str | None) -> dict[str, Any] | None:
         ("generate", _GENERATE_ACTIONS),
         ("piece", _PIECE_ACTIONS),
         ("chunk_write", _WRITE_ACTIONS),
+        ("announce", _ANNOUNCE_ACTIONS),
+        ("ack", _ACK_ACTIONS),
         ("extend", _EXTEND_ACTIONS),
         ("load", _LOAD_ACTIONS),
         ("capture", _CAPTURE_ACTIONS),
@@ -357,4 +373,30 @@ def on_chunk_put(path: str | os.PathLike[str]) -> None:
     if rule is None:
         return
     _fired(rule["do"], file=str(path))
+    if rule["do"] == "kill_group":
+        _kill_group()
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+def after_announce(chunk: str) -> None:
+    """Called by a chunk job right after its chunk's announcement (stream.producer)."""
+    rule = _match("announce", "chunk", chunk)
+    if rule is not None:
+        _fired(rule["do"], chunk=chunk)
+        _kill_group()
+
+
+def around_ack(when: str) -> None:
+    """Called by a trainer's ``AckWriter.ack``: ``before`` its line, ``after`` it, or
+    ``after_last`` (after the line that leaves the whole pass acknowledged; a rule
+    ``after`` matches it too)."""
+    rule = _match("ack", "when", when)
+    if rule is not None:
+        _fired(rule["do"], when=when)
+        _kill_group()
+
+
+def _kill_group() -> None:
+    """SIGKILL this process's group: the workflow a test started in a session of its own
+    (Snakemake's jobs share it; the server runs in a session of its own, as in production)."""
+    os.killpg(os.getpgrp(), signal.SIGKILL)

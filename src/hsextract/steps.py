@@ -558,6 +558,8 @@ def extract_chunk(sm: Any) -> None:
             "config's (ensure() replaces a live server started otherwise)",
             sm.input.server,
         )
+    if _stream_restored(cfg, sm):  # announced before an interruption: nothing to extract
+        return
     stream = _stream_gate(cfg, sm)  # train while extracting: wait for room before sending
     sidecar = extract(
         cfg,
@@ -615,6 +617,33 @@ def _stream_gate(cfg: Config, sm: Any):
     return ChunkStream.open(
         cfg, hidden=Path(sm.params.hidden), index=Path(sm.input.index), pass_=_pass_of(sm)
     )
+
+
+def _stream_restored(cfg: Config, sm: Any) -> bool:
+    """Under a budget, a chunk announced before the workflow was interrupted gets its
+    receipt back instead of a second extraction (stream.producer.restore), unless the user
+    forced this receipt (``snakemake -f``: rules/extract.smk's ``forced`` param)."""
+    if cfg.stream.budget_gb is None or getattr(sm.params, "forced", False):
+        return False
+    from hsextract.records import index_entry
+    from hsextract.stream.gate import settings_of
+    from hsextract.stream.producer import restore
+
+    index = Path(sm.input.index)
+    kept = restore(
+        settings_of(cfg),
+        run_dir=run_dir(cfg),
+        hidden=Path(sm.params.hidden),
+        sidecar_out=Path(sm.output.sidecar),
+        content_digest=index_entry(Path(sm.params.chunk), index).get("content_digest"),
+        pass_=_pass_of(sm),
+    )
+    if kept is None:
+        return False
+    sys.__stderr__.write(f"hsextract [{kept['chunk']}]: announced before: receipt restored\n")
+    if _pass_of(sm) == 1:
+        _follow_in_manifest(cfg, Path(sm.output.sidecar), index, kept["chunk"])
+    return True
 
 
 def _audit_set_aside(cfg: Config, sm: Any, sidecar: dict) -> None:

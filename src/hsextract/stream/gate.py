@@ -8,12 +8,15 @@ one already gone.  Stdlib only.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
 import math
 import os
+import re
 import socket
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import fields
@@ -204,6 +207,78 @@ def reservations(sdir: Path, *, exclude: str | None = None) -> dict[str, int]:
             if "bytes" in e and "redo_of" not in e}  # fmt: skip
 
 
+#: A chunk writer's temporary names (chunks.ChunkWriter): the partial chunk file and the
+#: spill of records encoded ahead of their turn, ``.<chunk>.safetensors.<pid>[.spill].tmp``.
+_TEMP = re.compile(r"\.(chunk_\d{5})\.safetensors\.\d+(?:\.spill)?\.tmp")
+_PASS_DIR = re.compile(r"pass([2-9]|[1-9]\d+)")
+
+
+def temp_files(run_dir: Path) -> dict[str, list[tuple[Path, int]]]:
+    """Gate key (the chunk, ``<chunk>.pass<p>`` for a later pass) -> the chunk writers'
+    temporary files of that chunk in ``hidden/[pass<p>/]``, with their bytes: only names
+    of ours, regular files (a link is never followed, nor counted)."""
+    hidden = Path(run_dir) / "hidden"
+    out: dict[str, list[tuple[Path, int]]] = {}
+    dirs = [(hidden, "")]
+    with os.scandir(hidden) if hidden.is_dir() else contextlib.nullcontext([]) as it:
+        dirs += [(Path(e.path), f".{e.name}") for e in it
+                 if _PASS_DIR.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]  # fmt: skip
+    for d, suffix in dirs:
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError), os.scandir(d) as it:
+            for e in it:
+                m = _TEMP.fullmatch(e.name)
+                if m is None:
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    st = e.stat(follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode):
+                        out.setdefault(m.group(1) + suffix, []).append((Path(e.path), st.st_size))
+    return out
+
+
+def _payload_of(run_dir: Path, key: str) -> Path:
+    chunk, _, p = key.partition(".pass")
+    return Path(run_dir) / "hidden" / (f"pass{p}" if p else "") / f"{chunk}.safetensors"
+
+
+def jobs_bytes(
+    run_dir: Path, st: StreamState, *, exclude: str | None = None, remove_dead: bool = False
+) -> dict[str, int]:
+    """What chunk jobs hold on disk beyond the journal's payloads, by gate key: a live
+    job's reservation, or its files if they are larger (the partial file and spill, and
+    its payload once renamed, until announced: a reservation is an estimate, and a
+    stored chunk can outgrow it); a dead job's temporary files in full.  A redo's marker
+    reserves nothing, and its files count beyond the announced bytes its missing payload
+    holds already (:func:`unacked_bytes`).  ``remove_dead`` (the caller holds the lock):
+    a dead job's temporary files are removed instead (no job will finish them: a rerun
+    writes its own), so they count nothing."""
+    run_dir = Path(run_dir)
+    live = _live(stream_dir(run_dir), exclude=exclude)
+    temps = temp_files(run_dir)
+    out: dict[str, int] = {}
+    for key, files in temps.items():
+        if key in live:  # ``exclude``'s own are a dead attempt's: one job per chunk at a time
+            continue
+        if remove_dead:
+            for f, _ in files:
+                f.unlink(missing_ok=True)  # a dead job's: it will never rename it
+                log.info("removed %s, a dead chunk job's temporary file", f)
+        else:
+            out[key] = sum(n for _, n in files)
+    for key, e in live.items():
+        on_disk = sum(n for _, n in temps.get(key, []))
+        chunk, _, p = key.partition(".pass")
+        line = st.find(chunk, int(p or 1))
+        if line is None:
+            on_disk += _on_disk(run_dir, {"path": _payload_of(run_dir, key)})
+        if isinstance(e.get("redo_of"), list):
+            held = 0 if line is None or _on_disk(run_dir, line) else int(line["bytes"])
+            out[key] = max(0, on_disk - held)
+        else:
+            out[key] = max(int(e.get("bytes", 0)), on_disk)
+    return out
+
+
 def _redos_running(sdir: Path) -> set[tuple[str, int]]:
     """(chunk, pass) of each redo of an announced, unacked chunk whose job runs now."""
     return {(str(e["redo_of"][0]), int(e["redo_of"][1])) for e in _live(sdir).values()
@@ -310,6 +385,7 @@ def _unlink_acked(run_dir: Path, seq: int, c: dict[str, Any]) -> None:
             "path": c["path"],
             "bytes": c["bytes"],
             "sha256": c["sha256"],
+            "rev": int(c.get("rev", 0)),
             "why": "ack",
             "at": round(time.time(), 3),
         },
@@ -323,7 +399,7 @@ def _freeable(
     logged deleted: what the deletion rule looks at."""
     out = []
     for seq, c in sorted(st.chunks.items()):
-        if not st.is_acked(seq, final_pass) or seq in st.deleted or c["path"] == keep:
+        if not st.is_acked(seq, final_pass) or st.freed(seq) or c["path"] == keep:
             continue
         why = _not_ours(run_dir, c)
         if why != "gone":
@@ -366,6 +442,7 @@ def gc(run_dir: Path, ss: StreamSettings) -> dict[str, Any]:
     sdir = stream_dir(run_dir)
     left: list[tuple[str, str]] = []
     with locked(sdir):
+        jobs_bytes(run_dir, read_state(sdir), remove_dead=True)  # a dead job's temp files
         picked = [
             (seq, c, why, file_identity(run_dir / c["path"]))
             for seq, c, why in _freeable(run_dir, read_state(sdir), ss.final_pass)
@@ -385,7 +462,7 @@ def gc(run_dir: Path, ss: StreamSettings) -> dict[str, Any]:
             same = now is not None and all(
                 now.get(k) == c.get(k) for k in ("path", "sha256", "rev")
             )
-            if not same or not st.is_acked(seq, ss.final_pass) or seq in st.deleted:
+            if not same or not st.is_acked(seq, ss.final_pass) or st.freed(seq):
                 continue  # redone, or freed by a gate meanwhile: not what was picked
             if file_identity(run_dir / c["path"]) != ident:
                 continue  # written to while hashed: the next gc looks again
@@ -427,11 +504,14 @@ def usage_figures(run_dir: Path, st: StreamState, ss: StreamSettings) -> dict[st
     Only payloads the deletion log does not name are looked at (``stat``), so a sample
     costs the chunks on disk, not the run's."""
     sdir = stream_dir(run_dir)
-    present = {c["path"]: c for s, c in st.chunks.items() if s not in st.deleted}
+    present = {c["path"]: c for s, c in st.chunks.items() if not st.freed(s)}
     return {
         "unacked_bytes": unacked_bytes(run_dir, st, ss.final_pass),
         "payload_bytes": sum(_on_disk(run_dir, c) for c in present.values()),
         "reserved_bytes": sum(reservations(sdir).values()),
+        # What chunk jobs hold beyond the journal: max(reservation, files) of each live
+        # one, a dead one's temporary files in full (jobs_bytes).
+        "jobs_bytes": sum(jobs_bytes(run_dir, st).values()),
         "paused": bool(_gate_state(sdir).get("paused")),
         "budget_bytes": ss.budget_bytes,
     }
@@ -465,6 +545,7 @@ def after_announce(
     with locked(sdir):
         st = read_state(sdir)
         last = record_usage(run_dir, st, ss, "announce", chunk)
+        jobs_bytes(run_dir, st, remove_dead=True)
         gone = delete_acked(run_dir, st, ss.final_pass, keep=keep)
         if gone:
             record_usage(run_dir, read_state(sdir), ss, "delete", chunk, last)
@@ -580,7 +661,9 @@ def wait_for_room(
                         "reserved_bytes": 0, "estimate_bytes": 0, "redo": True}  # fmt: skip
             est = estimate_bytes(st, tokens, raw_bytes_per_token)
             unacked = unacked_bytes(run_dir, st, ss.final_pass)
-            others = sum(reservations(sdir, exclude=chunk).values())
+            # Live jobs' reservations, or their files where larger; a dead job's
+            # temporary files go (they counted until now: status, usage).
+            others = sum(jobs_bytes(run_dir, st, exclude=chunk, remove_dead=True).values())
             held = unacked + others
             gate = _gate_state(sdir)
             low = ss.low_mark * ss.budget_bytes
@@ -666,6 +749,10 @@ def summary(run_dir: Path, final_pass: int = 1, *, budget_bytes: int | None = No
     deleted = [d for d in st.deleted.values() if d.get("why", "ack") == "ack"]
     waiting = acked_on_disk(run_dir, st, final_pass)
     running = _redos_running(sdir)
+    live = _live(sdir)
+    temps = temp_files(run_dir)
+    dead = sorted(str(f.relative_to(run_dir)) for k, fs in temps.items() if k not in live
+                  for f, _ in fs)  # fmt: skip
     return {
         "announced": len(st.chunks),
         "acked": sum(1 for s in st.chunks if st.is_acked(s, final_pass)),
@@ -686,6 +773,15 @@ def summary(run_dir: Path, final_pass: int = 1, *, budget_bytes: int | None = No
         ],
         "acked_on_disk": len(waiting),
         "acked_on_disk_bytes": sum(int(c["bytes"]) for c in waiting),
+        # Every announced payload not freed, as on disk (what hidden/ holds of the stream's).
+        "payload_bytes": sum(
+            _on_disk(run_dir, c) for s, c in st.chunks.items() if not st.freed(s)
+        ),  # fmt: skip
+        "temp_files": sum(len(fs) for fs in temps.values()),
+        "temp_bytes": sum(n for fs in temps.values() for _, n in fs),
+        # A dead chunk job's partial files: counted in full until the next gate, announcement
+        # or `hsextract stream gc` removes them.
+        "dead_temp_files": dead,
     }
 
 
@@ -703,6 +799,17 @@ def waiting_text(info: dict[str, Any]) -> str:
     return (
         f"{head}{info['unacked_bytes'] / GB:.3g} GB in {info['unacked']} chunks not yet "
         f"acknowledged{of}{since}{''.join(_nack_text(n) for n in info.get('nacked', []))}"
+        f"{_dead_text(info.get('dead_temp_files', []))}"
+    )
+
+
+def _dead_text(dead: list[str]) -> str:
+    if not dead:
+        return ""
+    shown = ", ".join(dead[:3]) + (f" and {len(dead) - 3} more" if len(dead) > 3 else "")
+    return (
+        f"; {len(dead)} temporary file(s) of chunk jobs that died ({shown}): counted against "
+        "the budget until the next chunk job's gate or `hsextract stream gc` removes them"
     )
 
 

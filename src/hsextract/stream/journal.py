@@ -229,6 +229,18 @@ class StreamState:
             return int(line.get("rev", 0)) <= int(nack["rev"])
         return float(line.get("at", 0)) <= float(nack.get("at", 0))  # a nack without its rev
 
+    def freed(self, seq: int) -> bool:
+        """The deletion log covers this seq's latest revision: its payload was removed.  A
+        revision announced after the deletion (an acked chunk redone on request) is a new
+        payload, freed after its ack like any other.  A line without ``rev`` (written before
+        deletions carried it) covers the seq whatever its revision."""
+        d, line = self.deleted.get(seq), self.chunks.get(seq)
+        if d is None:
+            return False
+        if line is None or "rev" not in d:
+            return True
+        return int(d["rev"]) >= int(line.get("rev", 0))
+
     def unacked(self, final_pass: int = 1) -> list[dict[str, Any]]:
         return [c for s, c in sorted(self.chunks.items()) if not self.is_acked(s, final_pass)]
 
@@ -329,17 +341,23 @@ def announce(
         st = read_state(sdir)
         old = st.find(chunk, pass_)
         redo = old is not None and st.nack_open(int(old["seq"]))
-        if (
-            old is not None
-            and not redo
-            and (old["sha256"] == sha256 or st.is_acked(old["seq"], final_pass))
-        ):
+        acked = old is not None and st.is_acked(old["seq"], final_pass)
+        # An acked chunk redone on request (its receipt forced) wrote a new file: a new
+        # revision records that file's identity, so the deletion rule frees it (it is
+        # acked already) by a stat, as it freed the first.  The trainer read this seq.
+        replaced = acked and (fs.st_ino, fs.st_size, fs.st_mtime_ns) != (
+            old.get("ino"),
+            old.get("bytes"),
+            old.get("mtime_ns"),
+        )
+        if old is not None and not redo and not replaced and (old["sha256"] == sha256 or acked):
             _maybe_end_pass(sdir, st, pass_, n_chunks)
             return int(old["seq"]), False
         # A chunk redone with other bytes (Snakemake removed the announced file of a
         # killed job, and the engine is not bit-deterministic), or redone because the
-        # trainer nacked it (same bytes or not: the new line answers the nack): a new
-        # revision of the same seq, the same records.  Readers open the latest revision.
+        # trainer nacked it (same bytes or not: the new line answers the nack), or an acked
+        # chunk redone on request (above): a new revision of the same seq, the same
+        # records.  Readers open the latest revision.
         seq = st.next_seq if old is None else int(old["seq"])
         line = {
             "type": "chunk",
@@ -394,6 +412,10 @@ class AckWriter:
         self.sdir.mkdir(parents=True, exist_ok=True)
 
     def ack(self, seqs: list[int] | set[int], *, pass_: int = 1, step: int | None = None) -> None:
+        from hsextract import faults
+
+        if faults.ACTIVE:  # a test's kill between a checkpoint's commit and its ack
+            faults.around_ack("before")
         if not seqs:
             return
         line = {
@@ -405,6 +427,11 @@ class AckWriter:
         }
         with locked(self.sdir):
             append_line(self.sdir / ACKS, line)
+        if faults.ACTIVE:  # ... or right after it, "after_last" once the pass is all acked
+            st = read_state(self.sdir)
+            end = st.ends.get(pass_)
+            done = end is not None and all(st.is_acked(int(s), pass_) for s in end["seqs"])
+            faults.around_ack("after_last" if done else "after")
 
     def nack(self, seq: int, expected: str, seen: str, rev: int = 0) -> None:
         """``rev``: the revision read; a newer one (the producer's redo) answers the nack."""

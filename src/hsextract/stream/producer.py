@@ -7,7 +7,9 @@ an offline run never imports this package.
 from __future__ import annotations
 
 import atexit
+import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,83 @@ def _chunk_entries(index: Path) -> list[dict[str, Any]]:
 def _key(chunk: str, pass_: int) -> str:
     """A chunk job's name in the gate (its reservation): a later pass's is its own."""
     return chunk if pass_ == 1 else f"{chunk}.pass{pass_}"
+
+
+#: Under ``stream/``: a copy of each announced chunk's sidecar, what its receipt needs.
+RECEIPTS = "receipts"
+
+
+def receipt_copy(run_dir: Path, chunk: str, pass_: int = 1) -> Path:
+    """Where the copy of a chunk's sidecar is kept once announced (see :func:`restore`)."""
+    sub = Path(RECEIPTS) if pass_ == 1 else Path(RECEIPTS, f"pass{pass_}")
+    return journal.stream_dir(run_dir) / sub / f"{chunk}.json"
+
+
+def _keep_receipt(run_dir: Path, sidecar: dict[str, Any], pass_: int) -> None:
+    """Keep the sidecar's copy before the chunk is announced (temp name, fsync, rename):
+    an announcement whose copy is missing is redone, never restored from nothing."""
+    dest = receipt_copy(run_dir, sidecar["chunk"], pass_)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(sidecar, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, dest)
+
+
+def restore(
+    ss: gate.StreamSettings, *, run_dir: Path, hidden: Path, sidecar_out: Path,
+    content_digest: str | None, pass_: int = 1,
+) -> dict[str, Any] | None:  # fmt: skip
+    """The receipt of a chunk already announced, written back in place of extracting it
+    again; None when the chunk must be extracted.
+
+    A workflow killed after a chunk's announcement but before Snakemake recorded its job's
+    end reruns that job (``rerun-incomplete``), and Snakemake deletes an incomplete job's
+    outputs first: the receipt is gone though the chunk is announced.  Extracting it
+    again would cost its GPU time and leave a payload nothing counts (the journal
+    announces a chunk once).  So a job whose chunk is announced -- its latest revision not
+    nacked, its payload acked for good or still on disk as announced (inode, size,
+    mtime), its records unchanged (``content_digest``) -- restores the sidecar kept at
+    its announcement and extracts nothing.  Anything else (never announced, lost before
+    its ack, nacked, written to since, records changed) is extracted; so is a receipt
+    the user forced (``snakemake -f``: the caller does not ask).
+    """
+    run_dir = Path(run_dir)
+    chunk = Path(hidden).stem
+    sdir = journal.stream_dir(run_dir)
+    if not (sdir / journal.JOURNAL).exists():
+        return None
+    st = journal.read_state(sdir)
+    line = st.find(chunk, pass_)
+    if line is None or st.nack_open(int(line["seq"])):
+        return None
+    try:
+        kept = json.loads(receipt_copy(run_dir, chunk, pass_).read_text())
+    except (OSError, ValueError):
+        return None  # no copy (an older hsextract kept none): extracted, as before
+    if kept.get("sha256") != line["sha256"] or kept.get("bytes") != line["bytes"]:
+        return None  # the copy of another revision
+    if content_digest is not None and kept.get("content_digest", "") != content_digest:
+        return None  # its records changed since: extracted anew
+    acked = st.is_acked(int(line["seq"]), ss.final_pass)
+    payload = run_dir / line["path"]
+    as_announced = journal.file_identity(payload) == gate._announced(line)
+    if not acked and not as_announced:
+        return None  # lost (or written to) before its ack: redone, past the gate
+    tmp = sidecar_out.with_name(f".{sidecar_out.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(kept, indent=2, sort_keys=True))
+    os.replace(tmp, sidecar_out)
+    log.info(
+        "%s: announced as seq %d (pass %d) before the workflow was interrupted, %s: its "
+        "receipt restored, nothing extracted",
+        chunk, line["seq"], pass_,
+        "acknowledged by the trainer" if acked else "its payload on disk as announced",
+    )  # fmt: skip
+    # This job's look: what was acked meanwhile is freed, a dead job's temp files go.
+    gate.after_announce(run_dir, ss, chunk)
+    return kept
 
 
 def before_send(
@@ -92,6 +171,7 @@ def after_chunk(
     """
     chunk = sidecar["chunk"]
     path = str(Path(hidden).resolve().relative_to(Path(run_dir).resolve()))
+    _keep_receipt(run_dir, sidecar, pass_)
     try:
         seq, new = journal.announce(
             run_dir,
@@ -108,6 +188,10 @@ def after_chunk(
         )
     finally:
         gate.release(run_dir, _key(chunk, pass_))
+    from hsextract import faults
+
+    if faults.ACTIVE:
+        faults.after_announce(chunk)
     # A usage sample; what was acked meanwhile freed (not this chunk's own payload).
     gate.after_announce(run_dir, ss, chunk, keep=path)
     if pass_ > 1:

@@ -22,6 +22,7 @@ Stdlib only: the plan and ``hsextract status`` call this.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -193,3 +194,23 @@ def regenerated(run_dir: str | Path) -> dict[str, Any]:
         else:
             p["differ"].append(c["chunk"])
     return out
+
+
+def forced_by_user(dag_settings: Any, receipt: str, rule: str) -> bool:
+    """Whether the command line forces this receipt's job (``-f <receipt>``, ``-F``,
+    ``--forcerun <rule or receipt>``): a redo the user asked for, extracted again though
+    the chunk is announced (stream.producer.restore).  Snakemake's incomplete-job rerun
+    forces the job too, but is not in the command line's settings (``dag_settings``,
+    read where the DAG is built): there the announced chunk's receipt is restored."""
+    if getattr(dag_settings, "forceall", False):
+        return True
+    want = os.path.abspath(receipt)
+
+    def names(items: Any) -> bool:
+        return any(str(t) == rule or os.path.abspath(str(t)) == want for t in items or ())
+
+    if names(getattr(dag_settings, "forcerun", ())):
+        return True
+    return bool(getattr(dag_settings, "forcetargets", False)) and names(
+        getattr(dag_settings, "targets", ())
+    )
