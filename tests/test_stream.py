@@ -337,7 +337,8 @@ def test_fp8s_bytes_per_token_are_its_layouts(tmp_path):
     assert stored_bytes_per_token("lossless", H, K, "float32") == (4 * H * (K + 1) + 5, False)
 
 
-def test_the_gate_waits_for_acks_and_resumes_below_the_low_mark(tmp_path):
+def test_the_gate_waits_for_acks_and_resumes_below_the_low_mark(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
     sides = make_run(tmp_path, [4, 4, 4, 4, 4])
     size = (tmp_path / sides[0]["path"]).stat().st_size
     bpt = size // sides[0]["tokens"] + 1  # the estimate of a like chunk: about one chunk
@@ -372,6 +373,10 @@ def test_the_gate_waits_for_acks_and_resumes_below_the_low_mark(tmp_path):
         # above the low mark (2.25 chunks): still shut, by hysteresis.
         wait_for(paused)
         assert not passed.is_set()
+        # Its waiting line names the deadlock a trainer checkpointing too rarely makes.
+        wait_for(lambda: "waiting for the trainer" in caplog.text)
+        assert "less often than stream.checkpoint_chunks" in caplog.text
+        assert "prefetch_chunks 1 + checkpoint_chunks 1 + 1" in caplog.text
         journal.AckWriter(tmp_path).ack([0])
         gate_has_looked(tmp_path / sides[0]["path"])
         assert not passed.is_set() and not errors

@@ -26,6 +26,7 @@ from typing import Any
 from hsextract.budget import human
 from hsextract.commands import snakemake_command
 from hsextract.config_types import StreamConfig
+from hsextract.stream.checkpoints import late_checkpoint_text
 from hsextract.stream.journal import (
     ACKS,
     DELETED,
@@ -704,7 +705,12 @@ def wait_for_room(
             last_report = now
             info = summary(run_dir, ss.final_pass, budget_bytes=ss.budget_bytes)
             info.update(chunk=chunk, estimate_bytes=est, waited_s=round(now - t0, 1))
-            log.info("%s", waiting_text(info))
+            text = waiting_text(info)
+            if gate.get("paused"):  # shut for acks: name the deadlock of a late checkpoint
+                text += late_checkpoint_text(
+                    ss.checkpoint_chunks, ss.prefetch_chunks, info["unacked"]
+                )
+            log.info("%s", text)
             if on_wait is not None:
                 on_wait(info)
         last_seen = _wait_for_acks(sdir, last_seen, ss.poll_s)
