@@ -282,3 +282,18 @@ def test_verify_names_the_command_that_redoes_a_missing_chunk(demo_copy):
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert plan.returncode == 0, plan.stderr[-3000:]
     assert "extract_chunk" in plan.stdout and "chunk_00001" in plan.stdout, plan.stdout[-3000:]
+
+
+def test_the_specforge_train_line_works_pasted_into_a_shell(demo_copy, tmp_path):
+    """On 51ddea2 the `train:` line printed the export directory unquoted: a space or a
+    `$` in it split or expanded the argument in the shell it was pasted into."""
+    import shlex
+
+    out = tmp_path / "my exports $HOME"
+    manifest = demo_copy["run_dir"] / "manifest.json"
+    proc = _hsextract_into(subprocess.PIPE, "export", "specforge", "--manifest", str(manifest),
+                           "--out", str(out), cwd=demo_copy["workdir"])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("train: ")]
+    argv = shlex.split(line.removeprefix("train: "))
+    assert f"data.hidden_states_path={out.resolve()}" in argv, argv

@@ -40,6 +40,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -478,7 +479,9 @@ def finish_export(
                 "aux_hidden_state": "[1, T, k*H]",
                 "hidden_state": "[1, T, H] (final post-norm)",
             },
-            "train": f"specforge train --config <run.yaml> data.hidden_states_path={out.resolve()}",
+            # Pasted into a shell: a path with a space or a `$` must stay one argument.
+            "train": "specforge train --config <run.yaml> "
+            + shlex.quote(f"data.hidden_states_path={out.resolve()}"),
         }
         # Newer than every marker even when its content is the same (a CLI rerun that
         # rewrote one damaged file), so Snakemake's mtimes see the export as finished.

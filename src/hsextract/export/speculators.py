@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -270,8 +271,8 @@ def finish_export(manifest: Path, out: Path) -> dict:
         "idx": "the record's 0-based line in merged/train.jsonl (the dataset row)",
         "dtype": str(first.dtype).removeprefix("torch.") if first else None,
         "train": (
-            f"speculators train --verifier-name-or-path <model> --data-path {out.resolve()} "
-            "--speculator-type eagle3"
+            "speculators train --verifier-name-or-path <model> --data-path "
+            f"{shlex.quote(str(out.resolve()))} --speculator-type eagle3"
         ),
     }
     write_json(out / SUMMARY_FILE, summary)
