@@ -297,3 +297,23 @@ def test_the_specforge_train_line_works_pasted_into_a_shell(demo_copy, tmp_path)
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("train: ")]
     argv = shlex.split(line.removeprefix("train: "))
     assert f"data.hidden_states_path={out.resolve()}" in argv, argv
+
+
+def test_a_config_error_under_snakemake_is_the_one_sentence(tmp_path):
+    """On 51ddea2 Snakemake printed 3-5 `File ".../config.py"` lines before the sentence
+    that `hsextract` prints alone (a refused --config value, an empty glob)."""
+    from fixtures_demo import snakemake_cmd
+
+    wd = make_workdir(tmp_path / "w")
+    cases = {
+        ("--config", "max_seq_len=-3"): "--config max_seq_len=-3: config key max_seq_len",
+        ("--config", "demo={enabled: false}", "inputs=[nothing/*.jsonl]"): "",
+    }
+    for args, says in cases.items():
+        proc = subprocess.run(snakemake_cmd(wd, "-n", *args),
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0, out[-2000:]
+        assert 'File "' not in out and "Traceback" not in out, out[-3000:]
+        (line,) = [x for x in out.splitlines() if x.startswith("hsextract: error: ")]
+        assert says in line, line
