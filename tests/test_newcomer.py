@@ -317,3 +317,25 @@ def test_a_config_error_under_snakemake_is_the_one_sentence(tmp_path):
         assert 'File "' not in out and "Traceback" not in out, out[-3000:]
         (line,) = [x for x in out.splitlines() if x.startswith("hsextract: error: ")]
         assert says in line, line
+
+
+def test_a_missing_input_and_an_empty_glob_say_where_they_looked(tmp_path, monkeypatch):
+    """On 51ddea2: "input '…' is not a file" for a path that does not exist, and a glob
+    matching nothing did not say which directory it looked in (a relative one is read
+    from the working directory, which may not be the one the user meant)."""
+    import pytest
+
+    from hsextract.records import InputError, resolve_inputs
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InputError) as missing:
+        resolve_inputs(["data/shard.jsonl"])
+    assert "does not exist" in str(missing.value) and "is not a file" not in str(missing.value)
+    assert str(tmp_path / "data" / "shard.jsonl") in str(missing.value)
+    (tmp_path / "data").mkdir()
+    with pytest.raises(InputError) as empty:
+        resolve_inputs(["data/*.jsonl"])
+    assert f"it looked in {tmp_path / 'data'};" in str(empty.value), str(empty.value)
+    with pytest.raises(InputError) as nowhere:
+        resolve_inputs(["elsewhere/*.jsonl"])
+    assert f"{tmp_path / 'elsewhere'}, which does not exist" in str(nowhere.value)
