@@ -66,11 +66,11 @@ Sample = dict[str, torch.Tensor]
 
 @dataclass
 class Sizes:
-    n_train: int = 96
-    n_eval: int = 24
+    n_train: int = 64
+    n_eval: int = 16
     prompt_len: int = 16
     cont_len: int = 32
-    steps: int = 240
+    steps: int = 200
     batch: int = 4
     lr: float = 3e-3
     ttt: int = 3  # TTT length in training = draft tokens k in decoding
