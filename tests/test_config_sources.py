@@ -24,7 +24,8 @@ from fixtures_demo import (
     snakemake_cmd,
 )
 
-from hsextract.config import config_entry, is_loopback, load_config, read_config, run_dir
+from hsextract.commands import config_entry
+from hsextract.config import is_loopback, load_config, read_config, run_dir
 from hsextract.errors import ConfigError
 
 

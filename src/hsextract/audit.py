@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hsextract.commands import snakemake_command
 from hsextract.errors import HsextractError
 
 #: Where the outcome lives, relative to the run dir.
@@ -210,11 +211,12 @@ def _set_aside_records(cfg: Any, run_dir: Path, manifest: dict, num_layers: int)
             continue
         path = sample_file(run_dir, chunk)
         if not path.exists():
+            sidecar = run_dir / c["path"].replace(".safetensors", ".json")
             raise AuditRefused(
                 f"{path} is missing: the states of {chunk}'s sampled records were not set "
                 "aside when it was written (a chunk extracted before the audit was on, or "
-                f"with another audit.records); redo it with `snakemake -j1 --forcerun "
-                f"{run_dir / c['path'].replace('.safetensors', '.json')}`"
+                f"with another audit.records); redo it with "
+                f"`{snakemake_command('--forcerun', sidecar, run_dir=run_dir)}`"
             )
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata()
@@ -323,7 +325,7 @@ def place(
         n = torch.cuda.device_count()
         free = [torch.cuda.mem_get_info(i)[0] for i in range(n)]
         if need > sum(free):
-            raise _too_large(need, sum(free), f"{n} GPU(s)")
+            raise _too_large(need, sum(free), f"{n} GPU(s)", run_dir)
         if need <= free[0]:
             return Placement("cuda:0", None, None, f"on cuda:0 ({params:,} parameters)")
         try:
@@ -338,7 +340,7 @@ def place(
         return Placement("cuda", "auto", None, f"over {n} GPUs (device_map auto)")
     avail = _mem_available()
     if avail and need > avail:
-        raise _too_large(need, avail, "the CPU's memory")
+        raise _too_large(need, avail, "the CPU's memory", run_dir)
     flops = 2.0 * params * tokens * passes
     est = flops / max(cpu_flops(), 1.0)
     return Placement(
@@ -351,12 +353,13 @@ def place(
     )
 
 
-def _too_large(need: int, have: int, where: str) -> AuditRefused:
+def _too_large(need: int, have: int, where: str, run_dir: Path) -> AuditRefused:
     # A layer-by-layer forward (weights streamed from disk) is what would lift this.
+    redo = snakemake_command(Path(run_dir) / AUDIT_FILE, run_dir=run_dir)
     return AuditRefused(
         f"the audit's float32 forward needs about {need / 2**30:.1f} GiB and {where} "
         f"{'have' if 'GPU' in where else 'has'} {have / 2**30:.1f} GiB free: run it where "
-        "the model fits (`snakemake -j1 <run dir>/state/audit.json` there), or set "
+        f"the model fits (`{redo}` there), or set "
         "audit.records: 0 to leave the run unaudited (hsextract status then says so)"
     )
 

@@ -61,7 +61,7 @@ def parse_config_entries(entries: list[str]) -> dict:
         return {}  # Snakemake's parser costs its whole CLI's import (seconds)
     from snakemake.cli import parse_config
 
-    from hsextract.config import config_entry
+    from hsextract.commands import config_entry
 
     for entry in entries:
         key, eq, value = entry.partition("=")

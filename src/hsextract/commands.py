@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -44,14 +45,32 @@ class ConfigSources:
     run_dir: str = ""  # as the workflow names it (relative when output_root is)
 
 
+def config_entry(path: list[str], value: Any) -> str:
+    """``server={port: 1}``: one key's ``--config`` entry as Snakemake reads it (a group as
+    a YAML flow mapping, which its parser and ``hsextract.config.load_config`` both take)."""
+
+    def flow(v: Any, top: bool = False) -> str:
+        if isinstance(v, Mapping):
+            return "{" + ", ".join(f"{k}: {flow(x)}" for k, x in v.items()) + "}"
+        if isinstance(v, list | tuple):
+            return "[" + ", ".join(flow(x) for x in v) + "]"
+        if v is None or isinstance(v, bool):
+            return json.dumps(v)
+        text = str(v)
+        plain = top or re.fullmatch(r"[\w./@+~-][\w./@+~ -]*", text) is not None
+        return text if plain else json.dumps(text)
+
+    for key in reversed(path[1:]):
+        value = {key: value}
+    return f"{path[0]}={flow(value, top=True)}"
+
+
 def sources_of(
     configfiles: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None,
     overrides: Mapping[str, Any] | None,
     run_dir: str | os.PathLike[str] = "",
 ) -> ConfigSources:
     """The sources of a config read from ``configfiles`` and ``overrides`` here, now."""
-    from hsextract.config import config_entry
-
     if isinstance(configfiles, str | os.PathLike):
         configfiles = [configfiles]
     return ConfigSources(

@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from hsextract.commands import config_entry, recorded
 from hsextract.config_types import Config
 from hsextract.convention import CAPTURE_CONVENTION, default_aux_layers, prenorm_layer
 from hsextract.errors import ConfigError, name_list
@@ -255,26 +256,6 @@ def refuse_bad_overrides(overrides: dict) -> None:
             )
 
     walk(overrides, _schema(), [])
-
-
-def config_entry(path: list[str], value: Any) -> str:
-    """``server={port: 1}``: one key's ``--config`` entry as Snakemake reads it (a group as
-    a YAML flow mapping, which its parser and :func:`load_config` both take)."""
-
-    def flow(v: Any, top: bool = False) -> str:
-        if isinstance(v, Mapping):
-            return "{" + ", ".join(f"{k}: {flow(x)}" for k, x in v.items()) + "}"
-        if isinstance(v, list | tuple):
-            return "[" + ", ".join(flow(x) for x in v) + "]"
-        if v is None or isinstance(v, bool):
-            return json.dumps(v)
-        text = str(v)
-        plain = top or re.fullmatch(r"[\w./@+~-][\w./@+~ -]*", text) is not None
-        return text if plain else json.dumps(text)
-
-    for key in reversed(path[1:]):
-        value = {key: value}
-    return f"{path[0]}={flow(value, top=True)}"
 
 
 def refuse_demo_leak(layers: list[tuple[str, dict]]) -> None:
@@ -930,8 +911,6 @@ def run_base(run_dir: str | os.PathLike[str], output_root: str | None = None) ->
     output_root); else the working directory.  A check of the run (``verify``,
     ``status``) resolves the config as the run did, wherever it is called from.
     """
-    from hsextract.commands import recorded
-
     src = recorded(run_dir)
     if src is not None:
         return src.workdir

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hsextract.budget import human
-from hsextract.commands import snakemake_command
+from hsextract.commands import hsextract_command, snakemake_command
 from hsextract.config_types import StreamConfig
 from hsextract.stream.checkpoints import late_checkpoint_text
 from hsextract.stream.journal import (
@@ -815,7 +815,8 @@ def _dead_text(dead: list[str]) -> str:
     shown = ", ".join(dead[:3]) + (f" and {len(dead) - 3} more" if len(dead) > 3 else "")
     return (
         f"; {len(dead)} temporary file(s) of chunk jobs that died ({shown}): counted against "
-        "the budget until the next chunk job's gate or `hsextract stream gc` removes them"
+        f"the budget until the next chunk job's gate or `{hsextract_command('stream', 'gc')}` "
+        "removes them"
     )
 
 

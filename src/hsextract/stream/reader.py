@@ -49,7 +49,7 @@ from hsextract.chunkfile import (
     verify_chunk_file,
 )
 from hsextract.chunks import ChunkReader
-from hsextract.commands import snakemake_command
+from hsextract.commands import hsextract_command, snakemake_command
 from hsextract.config_types import StreamConfig
 from hsextract.stream.checkpoints import LATE_CHECKPOINT
 from hsextract.stream.journal import (
@@ -347,8 +347,8 @@ def waiting_why(run_dir: Path, st: Any, lines: list[dict], pass_: int, *,
         if not unacked:
             return (
                 f"; the workflow's gate has been shut since {since} waiting for acks, though "
-                "every chunk this pass read so far is acknowledged (`hsextract status` names "
-                "what it waits for)"
+                f"every chunk this pass read so far is acknowledged "
+                f"(`{hsextract_command('status', run_dir=run_dir)}` names what it waits for)"
             )
         seqs = str(unacked[0]) if len(unacked) == 1 else f"{unacked[0]}..{unacked[-1]}"
         return (
@@ -359,7 +359,8 @@ def waiting_why(run_dir: Path, st: Any, lines: list[dict], pass_: int, *,
     jobs = len(gate.reservations(sdir))
     if jobs:
         return f"; {jobs} chunk job(s) in flight"
-    return "; no chunk job is in flight: is the workflow running? (`hsextract status` says)"
+    status = hsextract_command("status", run_dir=run_dir)
+    return f"; no chunk job is in flight: is the workflow running? (`{status}` says)"
 
 
 def speculators_sample(rec: dict[str, Any], chunk: str) -> dict[str, torch.Tensor]:
