@@ -914,14 +914,17 @@ def test_a_nacked_chunk_is_waited_for_and_read_once_from_its_redo(tmp_path):
 
 
 class _Said(logging.Handler):
-    """Sets ``event`` when a record's message contains ``text``."""
+    """Sets ``event`` when a record's message contains ``text`` (logged from ``module``
+    only, if given: the gate and the reader say some of the same words)."""
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, module: str | None = None) -> None:
         super().__init__()
-        self.text, self.event = text, threading.Event()
+        self.text, self.module, self.event = text, module, threading.Event()
         self.message = ""
 
     def emit(self, record: logging.LogRecord) -> None:
+        if self.module not in (None, record.module):
+            return
         if self.text in record.getMessage():
             self.message = record.getMessage()  # the last that matched
             self.event.set()

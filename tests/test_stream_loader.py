@@ -223,7 +223,7 @@ def test_a_waiting_reader_says_why_and_its_timeout_names_it(tmp_path):
         size = (tmp_path / sides[0]["path"]).stat().st_size
         ss = settings(int(2.5 * size), low_mark=0.5, prefetch_chunks=0, checkpoint_chunks=1)
         kw = dict(tokens=6, raw_bytes_per_token=size // 6 + 1, largest_tokens=6, run_tokens=18)
-        late = _Said(LATE_CHECKPOINT)
+        late = _Said(LATE_CHECKPOINT, module="reader")  # the gate logs it too
         logging.getLogger("hsextract").addHandler(late)
         kw["chunk"] = sides[2]["chunk"]
         job = threading.Thread(target=gate.wait_for_room, args=(tmp_path, ss), kwargs=kw)
