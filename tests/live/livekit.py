@@ -143,19 +143,7 @@ def build_tiny_qwen3(out: Path, seed: int = 0, layers: int = 8) -> Path:
     ones = lambda n: torch.ones(n, dtype=torch.bfloat16)  # noqa: E731
     sd = {"model.embed_tokens.weight": _w(g, v, h), "model.norm.weight": ones(h),
           "lm_head.weight": _w(g, v, h)}  # fmt: skip
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        sd[p + "input_layernorm.weight"] = ones(h)
-        sd[p + "post_attention_layernorm.weight"] = ones(h)
-        sd[p + "self_attn.q_proj.weight"] = _w(g, nh * hd, h)
-        sd[p + "self_attn.k_proj.weight"] = _w(g, nkv * hd, h)
-        sd[p + "self_attn.v_proj.weight"] = _w(g, nkv * hd, h)
-        sd[p + "self_attn.o_proj.weight"] = _w(g, h, nh * hd)
-        sd[p + "self_attn.q_norm.weight"] = ones(hd)
-        sd[p + "self_attn.k_norm.weight"] = ones(hd)
-        sd[p + "mlp.gate_proj.weight"] = _w(g, inter, h)
-        sd[p + "mlp.up_proj.weight"] = _w(g, inter, h)
-        sd[p + "mlp.down_proj.weight"] = _w(g, h, inter)
+    _gqa_layers(sd, g, layers, (h, nh, nkv, hd, inter), ones, qk_norm=True)
     return _save(out, c, sd)
 
 
@@ -179,6 +167,15 @@ def build_tiny_llama(out: Path, seed: int = 0, layers: int = 8) -> Path:
 
     sd = {"model.embed_tokens.weight": _w(g, v, h), "model.norm.weight": norm(h),
           "lm_head.weight": _w(g, v, h)}  # fmt: skip
+    _gqa_layers(sd, g, layers, (h, nh, nkv, hd, inter), norm, qk_norm=False)
+    return _save(out, c, sd)
+
+
+def _gqa_layers(sd: dict, g: torch.Generator, layers: int, dims: tuple, norm, *, qk_norm: bool):
+    """The decoder layers Llama and Qwen3 share (GQA attention, SwiGLU MLP), drawn from
+    ``g`` in checkpoint order; ``norm(n)`` makes each norm weight, and Qwen3 adds its
+    per-head q/k norms."""
+    h, nh, nkv, hd, inter = dims
     for i in range(layers):
         p = f"model.layers.{i}."
         sd[p + "input_layernorm.weight"] = norm(h)
@@ -187,10 +184,12 @@ def build_tiny_llama(out: Path, seed: int = 0, layers: int = 8) -> Path:
         sd[p + "self_attn.k_proj.weight"] = _w(g, nkv * hd, h)
         sd[p + "self_attn.v_proj.weight"] = _w(g, nkv * hd, h)
         sd[p + "self_attn.o_proj.weight"] = _w(g, h, nh * hd)
+        if qk_norm:
+            sd[p + "self_attn.q_norm.weight"] = norm(hd)
+            sd[p + "self_attn.k_norm.weight"] = norm(hd)
         sd[p + "mlp.gate_proj.weight"] = _w(g, inter, h)
         sd[p + "mlp.up_proj.weight"] = _w(g, inter, h)
         sd[p + "mlp.down_proj.weight"] = _w(g, h, inter)
-    return _save(out, c, sd)
 
 
 def _save(out: Path, config: dict, sd: dict[str, torch.Tensor]) -> Path:
