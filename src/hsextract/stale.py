@@ -67,10 +67,13 @@ class StaleDeletionError(HsextractError):
 
 #: The activity locks this process holds: path -> (fd, the pid that took it).
 _HELD: dict[str, tuple[int, int]] = {}
-#: In ``state/active``: held only while a workflow checks for another holder and creates
-#: its own lock file, so two workflows starting at once cannot both see none.  Never
-#: unlinked (a lock on an unlinked file serialises nothing).
-CLAIM_LOCK = ".claim"
+#: Beside ``state/active``, not in it: held only while a workflow checks for another
+#: holder and creates its own lock file, so two workflows starting at once cannot both see
+#: none.  Never unlinked (a lock on an unlinked file serialises nothing), so it stays out
+#: of ``active/``, which holds a file only while a workflow runs (issue 57, item 9).
+CLAIM_LOCK = Path("state") / "claim.lock"
+#: Where releases before issue 57 kept the claim lock: removed when nobody holds it.
+_OLD_CLAIM = ".claim"
 
 
 class RunInUseError(HsextractError):
@@ -88,11 +91,11 @@ def claim_run(run_dir: Path, owner_pid: int | None = None) -> Path:
     once exactly one goes on.  Dead holders' files are removed on the way.
     """
     pid = owner_pid or os.getpid()
-    d = Path(run_dir) / ACTIVE_DIR
-    d.mkdir(parents=True, exist_ok=True)
-    fd = os.open(d / CLAIM_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    (Path(run_dir) / ACTIVE_DIR).mkdir(parents=True, exist_ok=True)
+    fd = os.open(Path(run_dir) / CLAIM_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # held for a scan and a rename: never long
+        _remove_unheld(str(Path(run_dir) / ACTIVE_DIR / _OLD_CLAIM))
         others = _workflow_locks(Path(run_dir), exclude_pid=pid)
         if others:
             raise RunInUseError(_in_use_sentence(Path(run_dir), others[0]))
