@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -43,6 +42,13 @@ CONFIG = {
 }
 
 
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return ""
+
+
 def start_trainer(run_dir: Path, out: Path, *, resume: bool = False) -> subprocess.Popen:
     cmd = [sys.executable, str(TESTS / "stream_trainer.py"), "--run-dir", str(run_dir),
            "--out", str(out), "--ckpt-every", "1"] + (["--resume"] if resume else [])  # fmt: skip
@@ -68,6 +74,7 @@ def test_train_while_extracting_within_a_budget_through_kills(tmp_path: Path) ->
     run_snakemake(wd, "-j1", str((rd / "chunks" / "index.json").relative_to(wd)))
     index = json.loads((rd / "chunks" / "index.json").read_text())
     tokens = [c["tokens"] for c in index["chunks"]]
+    tokens_of = {Path(c["path"]).stem: c["tokens"] for c in index["chunks"]}
     bpt = bytes_per_token(64, 3, "float32")  # the demo model: H 64, 3 aux layers
     # The "~3 chunks": the ranks read each chunk together, so the window is one
     # chunk open + one between checkpoints (the trainer checkpoints every step) + the one
@@ -89,11 +96,16 @@ def test_train_while_extracting_within_a_budget_through_kills(tmp_path: Path) ->
         for line in p.read_text().splitlines()
     )
     assert sum(want.values()) == 64
-    # Every extend pass of the server waits while the file ``go`` is missing: the test
-    # removes it to hold a chunk mid-extraction (and logs each pass to ``flog``).
-    go, flog = tmp_path / "go", tmp_path / "faults.jsonl"
-    go.touch()
-    faults = {"log": str(flog), "extend": [{"rid": "chunk_", "do": "wait", "gate": str(go)}]}
+    # A chunk's every extend pass waits while its file in ``gates`` is missing: the test
+    # removes those of the chunks not yet past the budget's gate to hold the first one
+    # that passes it after an ack mid-extraction (each pass is logged to ``flog``).
+    gates, flog = tmp_path / "gates", tmp_path / "faults.jsonl"
+    gates.mkdir()
+    names = [f"chunk_{i:05d}" for i in range(16)]
+    for name in names:
+        (gates / name).touch()
+    faults = {"log": str(flog), "extend": [{"rid": f"{n}-", "do": "wait", "gate": str(gates / n)}
+                                           for n in names]}  # fmt: skip
     sdir = rd / "stream"
     out = tmp_path / "trainer"
     out.mkdir()
@@ -123,15 +135,24 @@ def test_train_while_extracting_within_a_budget_through_kills(tmp_path: Path) ->
         sampler.start()
 
         # 1. No trainer yet: the workflow fills the budget and waits, saying so; no job
-        # is past the gate (none holds a reservation).
+        # is past the gate (none holds a reservation), and both chunk jobs (-j2) wait at
+        # it, neither fitting what is unacked: nothing changes until an ack.  (On 48eec36
+        # the gate's paused flag alone was taken for that; a waiting job it no longer held
+        # once a job announced a chunk smaller than its reservation went on in CI.)
         def waiting() -> bool:
             assert proc.poll() is None, proc.communicate()[0][-4000:]
-            return (
-                gate.summary(rd)["paused"]
-                and not gate.reservations(sdir)
-                and any("waiting for the trainer" in p.read_text()
-                        for p in (rd / "logs").glob("extract*"))
-            )  # fmt: skip
+            if not gate.summary(rd)["paused"] or gate.reservations(sdir):
+                return False
+            st = journal.read_state(sdir)
+            unacked = gate.unacked_bytes(rd, st, 1)
+            at_gate = [
+                c for c in names
+                if "waiting for the trainer" in _read(rd / "logs" / f"extract_{c}.log")
+                .rpartition("stream budget:")[2]
+            ]  # fmt: skip
+            return len(at_gate) == 2 and all(
+                unacked + gate.estimate_bytes(st, tokens_of[c], bpt) > budget for c in at_gate
+            )
 
         poll(waiting, "the workflow waiting for the trainer", timeout=600)
         announced = gate.summary(rd)["announced"]
@@ -145,25 +166,33 @@ def test_train_while_extracting_within_a_budget_through_kills(tmp_path: Path) ->
         )
 
         # 2. The trainer acks as it checkpoints: the workflow goes on, and 3. is SIGKILLed
-        # mid-chunk: its next pass is held on the server (the file ``go`` removed), the
-        # chunk not yet announced.
-        cut = time.time()
-        go.unlink()
+        # mid-chunk: the first chunk past the gate after an ack has its next pass held on
+        # the server, the chunk not yet announced.  A job reserves before it sends and
+        # announces before it releases: read in that order, a chunk in neither has yet to
+        # pass the gate.
         trainer = start_trainer(rd, out)
+        poll(lambda: journal.read_state(sdir).acked, "the trainer's first ack")
+        past = set(gate.reservations(sdir)) | {
+            c["chunk"] for c in journal.read_state(sdir).chunks.values()
+        }
+        later = [n for n in names if n not in past]
+        for name in later:
+            (gates / name).unlink()
 
         def held() -> str | None:
             for line in flog.read_text().splitlines():
                 entry = json.loads(line)
-                if entry["fault"] == "wait" and entry["time"] > cut:
-                    return entry["rid"].split("-")[0]
+                chunk = entry.get("rid", "").split("-")[0]
+                if entry["fault"] == "wait" and entry["closed"] and chunk in later:
+                    return chunk
             return None
 
         chunk = poll(held, "the workflow going on, a chunk held mid-extraction")
         st = journal.read_state(sdir)
-        assert st.acked, "the gate opened with nothing acknowledged"
-        assert st.find(chunk, 1) is None
+        assert st.acked and st.find(chunk, 1) is None
         stop_snakemake(proc, signal.SIGKILL)
-        go.touch()
+        for name in later:
+            (gates / name).touch()
 
         # 4. The trainer SIGKILLed mid-pass (the workflow is down: it cannot finish),
         # once it has committed a checkpoint; resumed.
@@ -225,7 +254,8 @@ def test_train_while_extracting_within_a_budget_through_kills(tmp_path: Path) ->
         assert all(st.is_acked(d["seq"]) for d in deleted)
     finally:
         sampling.set()
-        go.touch()
+        for name in names:
+            (gates / name).touch()
         for p in (trainer, proc, rerun):
             if p is not None and p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)

@@ -214,7 +214,8 @@ def before_generate(rid: str) -> tuple[int, dict] | None:
 
 def after_extend(rids: list[str]) -> None:
     """Called by the engine's scheduler after each extend pass: make it a slow one, or hold
-    it until the test opens the gate."""
+    it until the test opens the gate.  Every request of the pass meets its own ``wait``
+    rule: a pass batching two chunks' requests is held by either chunk's closed gate."""
     for rid in rids:
         rule = _match("extend", "rid", rid)
         if rule is None:
@@ -225,9 +226,8 @@ def after_extend(rids: list[str]) -> None:
         if rule["do"] == "slow":
             _fired("slow", rid=rid, seconds=rule.get("seconds", 1))
             time.sleep(float(rule.get("seconds", 1)))
-        else:
-            _wait_for_gate(Path(rule["gate"]), float(rule.get("timeout_s", 600)), rid)
-        return
+            return
+        _wait_for_gate(Path(rule["gate"]), float(rule.get("timeout_s", 600)), rid)
 
 
 def on_load() -> None:
@@ -246,7 +246,8 @@ def on_load() -> None:
 
 
 def _wait_for_gate(gate: Path, timeout_s: float, rid: str, what: str = "wait") -> None:
-    _fired(what, rid=rid, gate=str(gate))
+    # ``closed``: whether this pass is held at all (a test waits on a held one).
+    _fired(what, rid=rid, gate=str(gate), closed=not gate.exists())
     deadline = time.monotonic() + timeout_s
     while not gate.exists():
         if time.monotonic() > deadline:
