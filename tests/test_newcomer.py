@@ -191,6 +191,9 @@ def test_a_merge_error_is_history_once_the_input_is_restored(tmp_path):
     shard.write_bytes(b"\n".join(lines) + b"\n")
     failed = run_snakemake(wd, "-j1", target, check=False)
     assert failed.returncode != 0 and (rd / "merged" / "rejects-failed.jsonl").exists()
+    # Issue 57, item 6: said once (the job's sentence), not again from its log.
+    out = failed.stdout + failed.stderr
+    assert out.count("3 of 30 records rejected (10.00%)") == 1, out[-6000:]
     said = _hsextract_into(subprocess.PIPE, "status", cwd=wd).stdout
     assert "merge_and_shuffle" in said and "max_reject_fraction" in said, said
 

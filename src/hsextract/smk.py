@@ -23,10 +23,11 @@ def run_step(snakemake: Any, step: Callable[[Any], None]) -> None:
     """Run one stage with stdout/stderr going to the rule's log file.
 
     An :class:`HsextractError` ends the job with its message (the user's next action), any
-    other exception with a traceback; both land in the log, which the profile's
-    ``show-failed-logs`` prints on failure.  A Ctrl-C (Snakemake's whole process group
-    gets it) ends the job with one line naming what it left unfinished, exit status 130:
-    a traceback through whatever the step was waiting on says nothing the user can act on.
+    other exception with a traceback; each lands in the log and once on the terminal (the
+    profile has no ``show-failed-logs``: it printed the log, so every error twice).  A
+    Ctrl-C (Snakemake's whole process group gets it) ends the job with one line naming
+    what it left unfinished, exit status 130: a traceback through whatever the step was
+    waiting on says nothing the user can act on.
     """
     log_path = snakemake.log[0] if snakemake.log else None
     stream = open(log_path, "a", buffering=1) if log_path else sys.stderr  # noqa: SIM115
@@ -58,6 +59,8 @@ def run_step(snakemake: Any, step: Callable[[Any], None]) -> None:
         sys.exit(INTERRUPTED_EXIT)
     except Exception:
         traceback.print_exc()
+        sys.__stderr__.write(f"hsextract [{snakemake.rule}]: failed (log: {log_path}):\n")
+        traceback.print_exc(file=sys.__stderr__)
         raise
     finally:
         stream.flush()
