@@ -340,13 +340,35 @@ def export_chunk_files(wildcards):
     plan ends here with deleted_after_ack_refusal's sentence, so a dry run says it
     rather than planning a re-extraction or failing on a missing input (no rule makes a
     chunk file under a budget)."""
-    why = deleted_after_ack_refusal()
+    why = deleted_after_ack_refusal() or unextracted_under_budget_refusal()
     if why is not None:  # one sentence, as refuse_unwritable_output_root ends a plan
         print(f"hsextract: error: {why}", file=sys.stderr)
         raise SystemExit(1)
     if "chunk" in wildcards.keys():
         return run_path("hidden/chunk_{chunk}.safetensors".format(**wildcards))
     return expand(run_path("hidden/chunk_{chunk}.safetensors"), chunk=CHUNK_IDS)
+
+
+def unextracted_under_budget_refusal():
+    """Why no export may plan under a disk budget with chunk files not yet written, or
+    None: no rule writes a chunk file there (a chunk job's output is its receipt), so
+    Snakemake stopped with a MissingInputException (issue 58)."""
+    if CFG.stream.budget_gb is None:
+        return None
+    missing = [c for c in CHUNK_IDS if not Path(run_path(f"hidden/chunk_{c}.safetensors")).exists()]
+    if not missing:
+        return None
+    from hsextract.commands import snakemake_command
+
+    shown = ", ".join(f"chunk_{c}" for c in missing[:3]) + (", ..." if len(missing) > 3 else "")
+    return (
+        f"{RUN}: {len(missing)} of {len(CHUNK_IDS)} chunk file(s) ({shown}) are not on disk, "
+        "and under stream.budget_gb no rule writes them for an export (the stream hands "
+        "each chunk to the trainer and deletes it once acknowledged): read the run as a "
+        "stream (hsextract.stream), or set stream.budget_gb: null and run "
+        f"`{snakemake_command('extract_all')}` (the disk must then hold the whole run) "
+        "before exporting"
+    )
 
 
 def speculators_prenorm(wildcards):

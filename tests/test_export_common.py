@@ -113,3 +113,27 @@ def test_a_run_whose_chunk_files_were_deleted_after_the_ack_is_not_exported(tmp_
         ), msg
         assert "stream.budget_gb: null" in msg and "extract_all" in msg and "\n" not in msg
         assert not out.exists()  # refused before anything was written
+
+
+@pytest.mark.workflow
+@pytest.mark.parametrize("target", ["export_specforge", "export_speculators"])
+def test_an_export_under_a_budget_before_its_chunks_are_written_is_refused_in_one_sentence(
+    tmp_path, target
+):
+    """Issue 58: under stream.budget_gb no rule writes a chunk file, so `snakemake -n
+    export_specforge` on a run not yet extracted stopped in Snakemake's
+    MissingInputException; the plan now ends with one sentence naming the chunks and the
+    command, and writes nothing."""
+    from fixtures_demo import make_workdir, run_dir_of, run_snakemake
+
+    prenorm = target == "export_speculators"  # what that export needs first
+    wd = make_workdir(tmp_path / "w", **{"stream.budget_gb": 1.0, "prenorm_final": prenorm})
+    rd = run_dir_of(wd)
+    proc = run_snakemake(wd, "-n", target, check=False)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode != 0, said[-3000:]
+    assert "MissingInputException" not in said and "Traceback" not in said, said[-3000:]
+    (line,) = [x for x in said.splitlines() if x.startswith("hsextract: error:")]
+    assert f"{rd.relative_to(wd)}: 4 of 4 chunk file(s) (chunk_00000, chunk_00001, " in line
+    assert "stream.budget_gb: null" in line and "snakemake -j1 extract_all" in line, line
+    assert not (rd / "export").exists() and not (rd / "hidden").exists()
