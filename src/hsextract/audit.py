@@ -301,17 +301,43 @@ class Placement:
     device_map: Any
     estimate_s: float | None
     text: str
+    #: The model does not fit but one decoder layer does: the forward runs one module at
+    #: a time, its weights read from the checkpoint once (hsextract.layered).
+    layered: bool = False
 
 
-def place(
-    cfg: Any, run_dir: Path, params: int, tokens: int, passes: int, say: Callable[[str], None]
-) -> Placement:
+@dataclass
+class Sizes:
+    """What :func:`place` weighs: the checkpoint's parameters, its largest unit the layered
+    forward holds at once (a decoder layer, the embedding or the LM head), and the sampled
+    records' states that forward keeps (their streams and the captured float64 copies)."""
+
+    params: int
+    tokens: int
+    passes: int
+    layer_params: int = 0
+    states_bytes: int = 0
+    #: Why the layered forward cannot load this checkpoint (quantized, ...); None if it can.
+    layered_refused: str | None = None
+
+    def need(self) -> int:
+        """Bytes the in-memory forward needs: the float32 model, headroom, the states."""
+        return int(self.params * _F32 * _MEM_HEADROOM) + self.states_bytes
+
+    def layered_need(self) -> int:
+        """Bytes the layered forward needs: its largest unit in float32, the states."""
+        return int(self.layer_params * _F32 * _MEM_HEADROOM) + self.states_bytes
+
+
+def place(cfg: Any, run_dir: Path, sizes: Sizes, say: Callable[[str], None]) -> Placement:
     """On the GPUs the server has just freed when CUDA is here (the server is stopped, the
     GPU gate's checks run), else on the CPU with its time estimated and said up front.
-    A model that does not fit is refused in one sentence naming what to set."""
+    A model that does not fit is run layer by layer where one layer fits; one whose single
+    layer does not fit either is refused in one sentence naming what to set."""
     import torch
 
-    need = int(params * _F32 * _MEM_HEADROOM)
+    params = sizes.params
+    need = sizes.need()
     wants_gpu = cfg.engine == "sglang" or cfg.server.device == "cuda"
     if wants_gpu and torch.cuda.is_available():
         from hsextract import server
@@ -324,42 +350,74 @@ def place(
         gate(cfg.gpu.max_used_mib, wait, require_nvml=cfg.engine == "sglang")
         n = torch.cuda.device_count()
         free = [torch.cuda.mem_get_info(i)[0] for i in range(n)]
-        if need > sum(free):
-            raise _too_large(need, sum(free), f"{n} GPU(s)", run_dir)
         if need <= free[0]:
             return Placement("cuda:0", None, None, f"on cuda:0 ({params:,} parameters)")
         try:
             import accelerate  # noqa: F401 - device_map over several GPUs needs it
         except ImportError:
+            accelerate = None
+        if accelerate is not None and need <= sum(free):
+            return Placement("cuda", "auto", None, f"over {n} GPUs (device_map auto)")
+        if sizes.layered_refused is None and sizes.layered_need() <= free[0]:
+            return Placement(
+                "cuda:0", None, None, _layered_text(need, free[0], "cuda:0", sizes), True
+            )
+        if need <= sum(free):  # several GPUs would hold it, one layer at a time would not
             raise AuditRefused(
                 f"the audit needs {need / 2**30:.1f} GiB, more than one GPU's "
                 f"{free[0] / 2**30:.1f} GiB free, and spreading it over {n} GPUs needs the "
                 "accelerate package: pip install accelerate in this env, or set "
                 "audit.records: 0 to leave the run unaudited"
-            ) from None
-        return Placement("cuda", "auto", None, f"over {n} GPUs (device_map auto)")
+            )
+        raise _too_large(need, sum(free), f"{n} GPU(s)", run_dir, sizes)
     avail = _mem_available()
+    flops = 2.0 * params * sizes.tokens * sizes.passes
     if avail and need > avail:
-        raise _too_large(need, avail, "the CPU's memory", run_dir)
-    flops = 2.0 * params * tokens * passes
+        if sizes.layered_refused is not None or sizes.layered_need() > avail:
+            raise _too_large(need, avail, "the CPU's memory", run_dir, sizes)
+        est = flops / max(cpu_flops(), 1.0)
+        return Placement("cpu", None, est, _layered_text(need, avail, "the CPU", sizes, est), True)
     est = flops / max(cpu_flops(), 1.0)
     return Placement(
         "cpu",
         None,
         est,
-        f"on the CPU: {passes} forward(s) of {params:,} parameters over {tokens:,} tokens, "
-        f"at least {est:.1f}s at the matmul rate measured now (a first record's forward "
-        "gives a closer figure), plus loading the weights",
+        f"on the CPU: {sizes.passes} forward(s) of {params:,} parameters over "
+        f"{sizes.tokens:,} tokens, at least {est:.1f}s at the matmul rate measured now (a "
+        "first record's forward gives a closer figure), plus loading the weights",
     )
 
 
-def _too_large(need: int, have: int, where: str, run_dir: Path) -> AuditRefused:
-    # A layer-by-layer forward (weights streamed from disk) is what would lift this.
+def _layered_text(need: int, have: int, where: str, sizes: Sizes, est: float | None = None) -> str:
+    time_ = (
+        f"at least {est:.1f}s of forwards at the matmul rate measured now, plus reading "
+        f"the weights once (the first layer's time gives a closer figure)"
+        if est is not None
+        else "the first layer's time gives the estimate"
+    )
+    return (
+        f"layer by layer on {where}, streaming the weights from disk (the whole model's "
+        f"float32 forward needs about {need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB are "
+        f"free; one layer and the records' states need about "
+        f"{sizes.layered_need() / 2**30:.1f} GiB): each decoder layer read once and run "
+        f"over every record, {sizes.passes} forward(s) of {sizes.params:,} parameters over "
+        f"{sizes.tokens:,} tokens; {time_}"
+    )
+
+
+def _too_large(need: int, have: int, where: str, run_dir: Path, sizes: Sizes) -> AuditRefused:
     redo = snakemake_command(Path(run_dir) / AUDIT_FILE, run_dir=run_dir)
+    if sizes.layered_refused is not None:
+        layered = f", and it cannot run layer by layer ({sizes.layered_refused})"
+    else:
+        layered = (
+            f", and even layer by layer (one decoder layer in memory at a time, streamed "
+            f"from disk) it needs about {sizes.layered_need() / 2**30:.1f} GiB"
+        )
     return AuditRefused(
         f"the audit's float32 forward needs about {need / 2**30:.1f} GiB and {where} "
-        f"{'have' if 'GPU' in where else 'has'} {have / 2**30:.1f} GiB free: run it where "
-        f"the model fits (`{redo}` there), or set "
+        f"{'have' if 'GPU' in where else 'has'} {have / 2**30:.1f} GiB free{layered}: run "
+        f"it where the model fits (`{redo}` there), or set "
         "audit.records: 0 to leave the run unaudited (hsextract status then says so)"
     )
 
@@ -486,25 +544,23 @@ def _diagnose(stored, refs: dict, key: int | str, num_layers: int) -> str | None
     return None
 
 
-def measure(
+def _in_memory(
     model_path: str | os.PathLike[str],
     records: list[Stored],
+    wanted: set[int],
+    noise_keys: set[int],
     num_layers: int,
     run_dtype: str,
-    codec: str | None,
     where: Placement,
-    say: Callable[[str], None] | None = None,
-) -> dict[str, dict[str, Any]]:
-    """The figures and verdict of every stored tensor of ``records`` against HF's forward
-    of the model at ``model_path``: in float32 (the reference), and for a bf16/fp16 run
-    again in that dtype (its noise, the bound's basis), the same weights cast in place."""
+    say: Callable[[str], None] | None,
+) -> Any:
+    """The whole model loaded at once (it fits): the reference states, the LM head's top-1,
+    and for a bf16/fp16 run the same in that dtype, the weights cast in place."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    keys = [k for k in records[0].states if k != "final"]
-    # Neighbours and the norm's input too: a failure says what the stored tensor matches.
-    wanted = set(keys) | {k + d for k in keys for d in (-1, 1) if 0 <= k + d <= num_layers}
-    wanted.add(num_layers)
+    from hsextract.layered import Reference
+
     tokens = sum(len(r.input_ids) for r in records)
     kwargs: dict[str, Any] = {"dtype": torch.float32}
     if where.device_map is not None:
@@ -522,14 +578,58 @@ def measure(
         rest = first * (passes * tokens / max(n0, 1) - 1)
         say(f"the first record's forward: {first:.2f}s for {n0:,} tokens; about {rest:.1f}s left")
     refs += [forward_states(model, r.input_ids, wanted, num_layers) for r in records[1:]]
-    ref_top1 = [top1(model, ref["final"]) for ref in refs]
-    stored_top1 = [top1(model, r.states["final"]) for r in records]
-    noise_refs = None
+    out = Reference(
+        refs,
+        [top1(model, ref["final"]) for ref in refs],
+        [top1(model, r.states["final"]) for r in records],
+    )
     if run_dtype != "float32":
         model.to(getattr(torch, run_dtype))
-        noise_refs = [forward_states(model, r.input_ids, set(keys), num_layers) for r in records]
-        noise_top1 = [top1(model, n["final"]) for n in noise_refs]
+        out.noise_refs = [
+            forward_states(model, r.input_ids, noise_keys, num_layers) for r in records
+        ]
+        out.noise_top1 = [top1(model, n["final"]) for n in out.noise_refs]
     del model
+    return out
+
+
+def measure(
+    model_path: str | os.PathLike[str],
+    records: list[Stored],
+    num_layers: int,
+    run_dtype: str,
+    codec: str | None,
+    where: Placement,
+    say: Callable[[str], None] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """The figures and verdict of every stored tensor of ``records`` against HF's forward
+    of the model at ``model_path``: in float32 (the reference), and for a bf16/fp16 run
+    again in that dtype (its noise, the bound's basis), the same weights cast in place.
+    Where the model does not fit (``where.layered``) the same forward runs one module at a
+    time (hsextract.layered), giving the same states."""
+    keys = [k for k in records[0].states if k != "final"]
+    # Neighbours and the norm's input too: a failure says what the stored tensor matches.
+    wanted = set(keys) | {k + d for k in keys for d in (-1, 1) if 0 <= k + d <= num_layers}
+    wanted.add(num_layers)
+    tokens = sum(len(r.input_ids) for r in records)
+    if where.layered:
+        from hsextract import layered
+
+        got = layered.reference(
+            Path(model_path),
+            [r.input_ids for r in records],
+            wanted,
+            set(keys),
+            num_layers,
+            where.device,
+            run_dtype,
+            [r.states["final"] for r in records],
+            say,
+        )
+    else:
+        got = _in_memory(model_path, records, wanted, set(keys), num_layers, run_dtype, where, say)
+    refs, ref_top1, stored_top1 = got.refs, got.ref_top1, got.stored_top1
+    noise_refs, noise_top1 = got.noise_refs, got.noise_top1 or []
 
     layers: dict[str, dict[str, Any]] = {}
     for key in [*keys, "final"]:
@@ -607,8 +707,7 @@ def run(cfg: Any, run_dir: Path, out: Path, *, say: Callable[[str], None] = prin
     run_dtype = cfg.model.dtype
     passes = 1 if run_dtype == "float32" else 2
     tokens = sum(len(r.input_ids) for r in records)
-    params = checkpoint_params(Path(cfg.model.path))
-    where = place(cfg, run_dir, params, tokens, passes, say)
+    where = place(cfg, run_dir, _sizes(cfg, mconf, records, tokens, passes), say)
     n_chunks = len(manifest["chunks"])
     say(f"auditing {len(records)} records ({tokens:,} tokens) of {n_chunks} chunks {where.text}")
 
@@ -643,6 +742,7 @@ def run(cfg: Any, run_dir: Path, out: Path, *, say: Callable[[str], None] = prin
         "tokens": tokens,
         "streamed": cfg.stream.budget_gb is not None,
         "device": where.device,
+        "layered": where.layered,
         "estimate_s": where.estimate_s,
         "forward_s": round(forward_s, 3),
         "seconds": round(time.monotonic() - t_start, 3),
@@ -665,6 +765,31 @@ def run(cfg: Any, run_dir: Path, out: Path, *, say: Callable[[str], None] = prin
     _write(Path(out), result)
     failed.unlink(missing_ok=True)
     return result
+
+
+def _sizes(cfg: Any, mconf: dict, records: list[Stored], tokens: int, passes: int) -> Sizes:
+    """The sizes :func:`place` weighs, from the checkpoint's headers and the sample."""
+    from hsextract import layered
+
+    path = Path(cfg.model.path)
+    hidden = int(mconf.get("hidden_size") or 0)
+    keys = len(records[0].states)
+    # Per token: the float32 stream (and the run dtype's), and the float64 copies kept of
+    # every captured state with its neighbours (up to 3 per stored tensor, both passes).
+    per_token = hidden * (_F32 + 2 * (passes - 1) + 8 * 3 * keys * passes)
+    refused = layered.unavailable()
+    if mconf.get("quantization_config"):
+        refused = "a quantized checkpoint: its weights load dequantized only in one piece"
+    elif not list(path.glob("*.safetensors")):
+        refused = "its weights are not safetensors files"
+    return Sizes(
+        params=checkpoint_params(path),
+        tokens=tokens,
+        passes=passes,
+        layer_params=layered.largest_module_params(path) if refused is None else 0,
+        states_bytes=tokens * per_token,
+        layered_refused=refused,
+    )
 
 
 def failure_sentence(layers: dict[str, dict]) -> str:
