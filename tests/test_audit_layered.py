@@ -1,12 +1,13 @@
 """The audit's layer-by-layer forward (hsextract.layered), for a model larger than memory.
 
-It gives the in-memory forward's states bit for bit (tiny seeded Llama and DeepSeek-V3
-checkpoints sharded over several safetensors files with an index, records of different
-lengths, float32 and the bf16 noise pass, the LM head's top-1); it reads each decoder
-layer's tensors once and only those; place() chooses it when the model does not fit and a
-layer does, and refuses in one sentence when a layer does not fit either; and the audit
-stage run on the demo with its memory forced small streams layer by layer and passes with
-the figures of the in-memory forward.
+It gives the in-memory forward's states bit for bit (tiny seeded Llama, Qwen3 with tied
+embeddings and DeepSeek-V3 checkpoints sharded over several safetensors files with an
+index, records of different lengths, float32 and the bf16 noise pass, the LM head's
+top-1); it reads each decoder layer's tensors once and only those, and keeps nothing of a
+module once past it; place() chooses it when the model does not fit and a layer does, and
+refuses in one sentence when a layer does not fit either; and the audit stage run on the
+demo with its memory forced small streams layer by layer and passes with the figures of
+the in-memory forward.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from hsextract import audit, layered
 from hsextract.config import load_config, typed
@@ -37,6 +38,12 @@ def _save_sharded(kind: str, out: Path) -> Path:
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
             tie_word_embeddings=False,
         )  # fmt: skip
+    elif kind == "qwen3":  # q/k norms; the mask chosen per layer type
+        config = Qwen3Config(
+            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
+            tie_word_embeddings=True,
+        )  # fmt: skip
     else:  # the demo's DeepSeek-V3: MLA, dense then MoE layers (experts fused on load)
         config = demo_model_config(
             {"hidden_size": 64, "num_hidden_layers": LAYERS, "vocab_size": 512}
@@ -51,7 +58,7 @@ def _save_sharded(kind: str, out: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "deepseek_v3"])
 def test_the_layered_forward_gives_the_in_memory_states_exactly(tmp_path, monkeypatch, kind):
     path = _save_sharded(kind, tmp_path / kind)
     assert (path / layered.INDEX_FILE).exists()

@@ -216,6 +216,8 @@ class _Skeleton:
     def free(self, path: str) -> None:
         """Back to meta: the module's memory is released before the next one loads."""
         self.model.get_submodule(path).to("meta")
+        if path == self.head_path and self.tied:  # the head was the embedding's tensor
+            self.model.get_submodule(self.embed_path).to("meta")
 
     def load_head(self) -> Any:
         head = self.model.get_submodule(self.head_path)
