@@ -21,7 +21,9 @@ This module imports nothing of hsextract's: the audit imports it.
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
 import re
 import struct
 import time
@@ -33,6 +35,9 @@ from typing import Any
 #: The checkpoint's index when its weights are sharded over several files.
 INDEX_FILE = "model.safetensors.index.json"
 _LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+#: transformers' switch for loading in the calling thread.
+_SYNC = "HF_DEACTIVATE_ASYNC_LOAD"
+_LIBC: Any = None
 
 
 class LayeredError(RuntimeError):
@@ -193,11 +198,19 @@ class _Skeleton:
             )
             bar = hf_logging.is_progress_bar_enabled()
             hf_logging.disable_progress_bar()  # one bar per module would flood the log
+            # Loaded in this thread: tensors the loader's worker threads allocate stay in
+            # their malloc arenas once freed (measured: +30 MB resident per 61 MB layer).
+            sync = os.environ.get(_SYNC)
+            os.environ[_SYNC] = "1"
             try:
                 info, _ = convert_and_load_state_dict_in_model(self.model, sd, conf)
             finally:
                 if bar:
                     hf_logging.enable_progress_bar()
+                if sync is None:
+                    del os.environ[_SYNC]
+                else:
+                    os.environ[_SYNC] = sync
         finally:
             for h in handles:
                 h.__exit__(None, None, None)
@@ -218,6 +231,7 @@ class _Skeleton:
         self.model.get_submodule(path).to("meta")
         if path == self.head_path and self.tied:  # the head was the embedding's tensor
             self.model.get_submodule(self.embed_path).to("meta")
+        _trim()
 
     def load_head(self) -> Any:
         head = self.model.get_submodule(self.head_path)
@@ -226,6 +240,21 @@ class _Skeleton:
         emb = self.load(self.embed_path)
         head.weight = emb.weight
         return head
+
+
+def _trim() -> None:
+    """Give the freed module's pages back to the OS now: glibc keeps freed heap memory,
+    so without this the resident size grows layer after layer (where there is no glibc,
+    nothing to do)."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim  # noqa: B018 - absent outside glibc
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
 
 
 # -- the forward -----------------------------------------------------------------------
