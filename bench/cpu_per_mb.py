@@ -89,9 +89,9 @@ def worker(a: argparse.Namespace) -> dict[str, float]:
     """One tree's figures: ms per MB of states per step."""
     sys.path.insert(0, str(Path(a.worker).resolve()))
     import torch
+    from piece_path import write_pieces  # bench/: this script's own directory
 
     from hsextract import chunks, client, stats
-    from hsextract.capture import DumpWriter
     from hsextract.chunkfile import sha256_file
 
     client.one_thread_per_op()  # as a chunk job does
@@ -102,15 +102,7 @@ def worker(a: argparse.Namespace) -> dict[str, float]:
     try:
         dump = root / "dump"
         dump.mkdir()
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, 30000, (a.tokens,), generator=g)
-        hidden = torch.randn(a.tokens, a.hidden, generator=g).to(torch.bfloat16)
-        aux = [torch.randn(a.tokens, a.hidden, generator=g).to(torch.bfloat16) for _ in layers]
-        writer = DumpWriter(dump, layers, threads=2)
-        for j in range(a.requests):
-            writer.write_batch([f"r{j}"], [0], [a.tokens], ids, hidden, aux)
-        writer.flush()
-        writer.close()
+        ids = write_pieces(dump, layers, a.tokens, a.hidden, a.requests)
         chunk_dir = root
         if a.chunk_root:  # the chunk on another file system (a disk's, as in production)
             chunk_dir = Path(a.chunk_root) / root.name

@@ -39,6 +39,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
@@ -97,27 +98,38 @@ def splice_rows(chunk, j: int, hidden: list, aux: list) -> None:
         os.close(w)
 
 
+def write_pieces(dump: Path, layers: list[int], tokens: int, hidden: int, requests: int) -> Any:
+    """``requests`` requests of ``tokens`` random bf16 rows each, as the server's own
+    DumpWriter writes their pieces into ``dump`` (bench/cpu_per_mb.py reads them too); the
+    token ids every request was sent."""
+    import torch
+
+    from hsextract.capture import DumpWriter
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 30000, (tokens,), generator=g)
+    states = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    aux = [torch.randn(tokens, hidden, generator=g).to(torch.bfloat16) for _ in layers]
+    writer = DumpWriter(dump, layers, threads=2)
+    for j in range(requests):
+        writer.write_batch([f"r{j}"], [0], [tokens], ids, states, aux)
+    writer.flush()
+    writer.close()
+    return ids
+
+
 def one_round(root: Path, a: argparse.Namespace, mode: str, threads: int) -> tuple[float, float]:
     """(requests/s, process CPU ms a request) of ``a.requests`` requests."""
     import torch
 
     from hsextract import client
-    from hsextract.capture import DumpWriter
     from hsextract.chunks import ChunkWriter
 
     layers = list(range(2, 2 + a.layers))
     geo = client.Geometry(a.hidden, 2 + a.layers + 3, layers, torch.bfloat16)
     dump = root / "dump"
     dump.mkdir(mode=0o700)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 30000, (a.tokens,), generator=g)
-    hidden = torch.randn(a.tokens, a.hidden, generator=g).to(torch.bfloat16)
-    aux = [torch.randn(a.tokens, a.hidden, generator=g).to(torch.bfloat16) for _ in layers]
-    writer = DumpWriter(dump, layers, threads=2)
-    for j in range(a.requests):
-        writer.write_batch([f"r{j}"], [0], [a.tokens], ids, hidden, aux)
-    writer.flush()
-    writer.close()
+    ids = write_pieces(dump, layers, a.tokens, a.hidden, a.requests)
     chunk = ChunkWriter(
         root / "chunk.safetensors",
         [a.tokens] * a.requests,
