@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import time
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from hsextract import storage
 from hsextract.chunkfile import (
     ChunkDigestError,
     ChunkFileError,
@@ -276,7 +278,10 @@ class StreamDataset(IterableDataset):
                     self._pos["slot"] += 1
                     self._pos["pos"] = 0
                 assert reader is not None
-                yield self._sample(reader[j], line)
+                if info is None:
+                    yield self._sample(reader[j], line)
+                else:  # its tensors go through shared memory: written there at once
+                    yield shared_compact(self._sample(worker_record(reader, j), line))
                 if self._pos["pos"] == 0:
                     break
             else:  # nothing (left) of this chunk for this worker
@@ -325,6 +330,117 @@ class StreamDataset(IterableDataset):
             rec["prenorm_hidden_states"] = torch.zeros(1, shapes["hidden"], dtype=dtype)
         out = self._sample(rec, lines[0])
         return {**out, "seq": -1, "pad": True}
+
+
+def _shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor in shared memory of exactly its size.  Why not
+    ``torch.empty(...).share_memory_()``: that faults in private pages, then copies them
+    into shared ones (2 copies' page faults, which dominate on a VM: 0.4 GB/s against
+    0.55 allocated shared at once, bench/stream_reader.py's machine)."""
+    n = math.prod(shape) * dtype.itemsize
+    if not n:
+        return torch.empty(shape, dtype=dtype)
+    return torch.empty(0, dtype=dtype).set_(torch.UntypedStorage._new_shared(n), 0, shape)
+
+
+def _byte_span(v: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage a (non-empty) tensor spans: [first, past its last)."""
+    last = v.storage_offset() + sum((n - 1) * st for n, st in zip(v.shape, v.stride(), strict=True))
+    return v.storage_offset() * v.element_size(), (last + 1) * v.element_size()
+
+
+def shared_compact(sample: dict[str, Any]) -> dict[str, Any]:
+    """``sample`` as a loader worker hands it to the trainer process: the tensors that are
+    views of a larger storage not yet shared moved into shared memory holding just the
+    bytes they span (views of one storage together, once), each with its shape, strides
+    and values as they were; the others as they are.
+
+    Why: a worker's tensors reach the trainer through shared memory, and torch shares a
+    tensor's *whole storage*, copying it there unless it is already shared.  An
+    uncompressed chunk's rows (and every codec's ids and masks) are slices of the chunk's
+    mapping, so each record shipped its whole chunk's tensors: with 7 records a chunk, 7x
+    the bytes (bench/stream_reader.py: 0.09 GB/s a worker, against 0.9 in the process).
+    Copied here, once, into shared memory, torch sends the record's bytes and no more.
+    """
+    # Views of one storage whose bytes overlap go together (aux and the pre-norm state
+    # of one decoded block); apart ones apart, so that tensors of one file-wide mapping
+    # never copy what lies between them.
+    spans: dict[int, list[tuple[int, int, str]]] = {}
+    for k, v in sample.items():
+        if isinstance(v, torch.Tensor) and v.numel() and not v.is_shared():
+            spans.setdefault(v.untyped_storage().data_ptr(), []).append((*_byte_span(v), k))
+    groups: list[list[tuple[int, int, str]]] = []
+    for views in spans.values():
+        views.sort()
+        groups.append([views[0]])
+        for view in views[1:]:
+            if view[0] < max(b for _, b, _ in groups[-1]):
+                groups[-1].append(view)
+            else:
+                groups.append([view])
+    out = dict(sample)
+    u8 = torch.uint8
+    for group in groups:
+        lo, hi = group[0][0], max(b for _, b, _ in group)
+        src = sample[group[0][2]].untyped_storage()
+        if src.nbytes() <= hi - lo:
+            continue  # its own bytes only: torch's one copy is all it costs
+        dst = torch.UntypedStorage._new_shared(hi - lo)
+        torch.empty(0, dtype=u8).set_(dst, 0, (hi - lo,)).copy_(
+            torch.empty(0, dtype=u8).set_(src, lo, (hi - lo,))
+        )
+        for a, _, k in group:
+            v = sample[k]
+            off, rem = divmod(a - lo, v.element_size())
+            if rem:  # at an odd offset for its dtype (never from a chunk): left as it is
+                continue
+            out[k] = torch.empty(0, dtype=v.dtype).set_(dst, off, v.shape, v.stride())
+    return out
+
+
+def worker_record(reader: ChunkReader, j: int) -> dict[str, Any]:
+    """Record ``j`` of ``reader`` as a loader worker sends it: the same tensors as
+    ``reader[j]`` (values, dtypes, shapes, the ``id``), each in shared memory of its own.
+
+    Why not ``reader[j]``, then shared: a lossless record decodes into fresh buffers, which
+    torch then copies into shared memory to send -- a second copy of every byte, ~40 % of
+    a worker's time (bench/stream_reader.py, ``loader1`` against ``dataset``).  Here its
+    frames decode straight into shared memory, with the checks and errors of
+    ``ChunkReader._rows``; the other codecs' rows are slices of the file's mapping, copied
+    once (:func:`shared_compact`)."""
+    if reader.codec != "lossless":
+        return shared_compact(reader[j])
+    if not 0 <= j < len(reader):
+        raise IndexError(j)
+    a, b = int(reader.offsets[j]), int(reader.offsets[j + 1])
+    h, k = reader.hidden_size, len(reader.stored_layers)
+    esize = reader.dtype.itemsize
+    widths = (h, k * h)
+    outs = [_shared_empty((b - a, w), reader.dtype) for w in widths]
+    bufs = [t.view(-1).view(torch.uint8).numpy() if t.numel() else None for t in outs]
+    ncol = len(storage.FRAME_COLUMNS)
+    for row in reader.frames[reader.frame_start[j] : reader.frame_start[j + 1]]:
+        rec, tensor, r0, nr, at = (int(x) for x in row[:ncol])
+        rb = widths[tensor] * esize
+        buf = bufs[tensor]
+        if rec != j or r0 + nr > b - a or buf is None:
+            raise ChunkFileError(f"{reader.path}: frame table entry {row.tolist()} is corrupt")
+        try:
+            storage.decompress_frame(reader._blob, at, [int(x) for x in row[ncol:]], nr * rb,
+                                     buf[r0 * rb : (r0 + nr) * rb])  # fmt: skip
+        except Exception as exc:
+            raise ChunkFileError(f"{reader.path}: record {j} does not decode: {exc}") from exc
+    out: dict[str, Any] = {
+        name: reader._f.get_slice(name)[a:b] for name in ("input_ids", "loss_mask")
+    }
+    out["hidden_states"], aux = outs
+    if reader.prenorm:
+        kk = len(reader.aux_layers) * h
+        out["aux_hidden_states"], out["prenorm_hidden_states"] = aux[:, :kk], aux[:, kk:]
+    else:
+        out["aux_hidden_states"] = aux
+    out["id"] = reader.record_ids[j] if j < len(reader.record_ids) else str(j)
+    return shared_compact(out)
 
 
 def waiting_why(run_dir: Path, st: Any, lines: list[dict], pass_: int, *,
