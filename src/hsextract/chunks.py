@@ -53,6 +53,8 @@ SYNC_EVERY_BYTES = 256 << 20
 #: tensor 0 the hidden rows and 1 the aux rows, ``rows`` [n, cols] from record row ``r0``;
 #: it refuses them by raising (the client's ``Dump.check_rows``).
 RowCheck = Callable[[int, int, torch.Tensor], None]
+#: Makes an uninitialised tensor of (shape, dtype): where a lossless record decodes into.
+Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 _ST_DTYPES = {
     torch.float32: "F32",
     torch.bfloat16: "BF16",
@@ -817,13 +819,19 @@ class ChunkReader:
         return len(self.offsets) - 1
 
     def __getitem__(self, j: int) -> dict[str, torch.Tensor | str]:
+        return self.record(j)
+
+    def record(self, j: int, alloc: Alloc | None = None) -> dict[str, torch.Tensor | str]:
+        """Record ``j``; ``alloc(shape, dtype)`` gives the tensors a lossless record decodes
+        into (a loader worker's: shared memory, which its tensors are sent through, so they
+        are written once, not decoded and then copied there; stream.reader.worker_record)."""
         if not 0 <= j < len(self):
             raise IndexError(j)
         a, b = int(self.offsets[j]), int(self.offsets[j + 1])
         out: dict[str, torch.Tensor | str] = {
             name: self._f.get_slice(name)[a:b] for name in ("input_ids", "loss_mask")
         }
-        out["hidden_states"], aux = self._rows(j, a, b)
+        out["hidden_states"], aux = self._rows(j, a, b, alloc)
         if self.prenorm:
             k = len(self.aux_layers) * self.hidden_size
             out["aux_hidden_states"], out["prenorm_hidden_states"] = aux[:, :k], aux[:, k:]
@@ -832,7 +840,9 @@ class ChunkReader:
         out["id"] = self.record_ids[j] if j < len(self.record_ids) else str(j)
         return out
 
-    def _rows(self, j: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rows(
+        self, j: int, a: int, b: int, alloc: Alloc | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         h, k = self.hidden_size, len(self.stored_layers)
         if self.codec == "none":
             return (
@@ -852,12 +862,14 @@ class ChunkReader:
             )
         esize = torch.empty((), dtype=self.dtype).element_size()
         widths = (h, k * h)
-        bufs = [np.empty((b - a) * w * esize, dtype=np.uint8) for w in widths]
+        make = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
+        outs = [make((b - a, w), self.dtype) for w in widths]
+        bufs = [t.view(-1).view(torch.uint8).numpy() for t in outs]
         ncol = len(storage.FRAME_COLUMNS)
         for row in self.frames[self.frame_start[j] : self.frame_start[j + 1]]:
             rec, tensor, r0, nr, at = (int(x) for x in row[:ncol])
             rb = widths[tensor] * esize
-            if rec != j or r0 + nr > b - a:
+            if rec != j or r0 + nr > b - a or not outs[tensor].numel():
                 raise ChunkFileError(f"{self.path}: frame table entry {row.tolist()} is corrupt")
             try:
                 storage.decompress_frame(
@@ -869,12 +881,7 @@ class ChunkReader:
                 )
             except Exception as exc:
                 raise ChunkFileError(f"{self.path}: record {j} does not decode: {exc}") from exc
-        return tuple(  # type: ignore[return-value]
-            torch.from_numpy(buf).view(self.dtype).view(b - a, w)
-            if buf.size
-            else torch.empty((b - a, w), dtype=self.dtype)
-            for buf, w in zip(bufs, widths, strict=True)
-        )
+        return outs[0], outs[1]
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor | str]]:
         for j in range(len(self)):

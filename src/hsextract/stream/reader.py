@@ -41,7 +41,6 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from hsextract import storage
 from hsextract.chunkfile import (
     ChunkDigestError,
     ChunkFileError,
@@ -405,42 +404,11 @@ def worker_record(reader: ChunkReader, j: int) -> dict[str, Any]:
     Why not ``reader[j]``, then shared: a lossless record decodes into fresh buffers, which
     torch then copies into shared memory to send -- a second copy of every byte, ~40 % of
     a worker's time (bench/stream_reader.py, ``loader1`` against ``dataset``).  Here its
-    frames decode straight into shared memory, with the checks and errors of
-    ``ChunkReader._rows``; the other codecs' rows are slices of the file's mapping, copied
+    frames decode straight into shared memory (``ChunkReader.record``'s ``alloc``, its
+    checks and errors); the other codecs' rows are slices of the file's mapping, copied
     once (:func:`shared_compact`)."""
-    if reader.codec != "lossless":
-        return shared_compact(reader[j])
-    if not 0 <= j < len(reader):
-        raise IndexError(j)
-    a, b = int(reader.offsets[j]), int(reader.offsets[j + 1])
-    h, k = reader.hidden_size, len(reader.stored_layers)
-    esize = reader.dtype.itemsize
-    widths = (h, k * h)
-    outs = [_shared_empty((b - a, w), reader.dtype) for w in widths]
-    bufs = [t.view(-1).view(torch.uint8).numpy() if t.numel() else None for t in outs]
-    ncol = len(storage.FRAME_COLUMNS)
-    for row in reader.frames[reader.frame_start[j] : reader.frame_start[j + 1]]:
-        rec, tensor, r0, nr, at = (int(x) for x in row[:ncol])
-        rb = widths[tensor] * esize
-        buf = bufs[tensor]
-        if rec != j or r0 + nr > b - a or buf is None:
-            raise ChunkFileError(f"{reader.path}: frame table entry {row.tolist()} is corrupt")
-        try:
-            storage.decompress_frame(reader._blob, at, [int(x) for x in row[ncol:]], nr * rb,
-                                     buf[r0 * rb : (r0 + nr) * rb])  # fmt: skip
-        except Exception as exc:
-            raise ChunkFileError(f"{reader.path}: record {j} does not decode: {exc}") from exc
-    out: dict[str, Any] = {
-        name: reader._f.get_slice(name)[a:b] for name in ("input_ids", "loss_mask")
-    }
-    out["hidden_states"], aux = outs
-    if reader.prenorm:
-        kk = len(reader.aux_layers) * h
-        out["aux_hidden_states"], out["prenorm_hidden_states"] = aux[:, :kk], aux[:, kk:]
-    else:
-        out["aux_hidden_states"] = aux
-    out["id"] = reader.record_ids[j] if j < len(reader.record_ids) else str(j)
-    return shared_compact(out)
+    alloc = _shared_empty if reader.codec == "lossless" else None
+    return shared_compact(reader.record(j, alloc))
 
 
 def waiting_why(run_dir: Path, st: Any, lines: list[dict], pass_: int, *,
