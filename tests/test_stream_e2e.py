@@ -136,7 +136,7 @@ def test_train_while_extracting_within_a_budget_through_kills(tmp_path: Path) ->
 
         # 1. No trainer yet: the workflow fills the budget and waits, saying so; no job
         # is past the gate (none holds a reservation), and both chunk jobs (-j2) wait at
-        # it, neither fitting what is unacked: nothing changes until an ack.  (On 48eec36
+        # it, neither able to pass: nothing changes until an ack.  (On 48eec36
         # the gate's paused flag alone was taken for that; a waiting job it no longer held
         # once a job announced a chunk smaller than its reservation went on in CI.)
         def waiting() -> bool:
@@ -150,8 +150,12 @@ def test_train_while_extracting_within_a_budget_through_kills(tmp_path: Path) ->
                 if "waiting for the trainer" in _read(rd / "logs" / f"extract_{c}.log")
                 .rpartition("stream budget:")[2]
             ]  # fmt: skip
-            return len(at_gate) == 2 and all(
-                unacked + gate.estimate_bytes(st, tokens_of[c], bpt) > budget for c in at_gate
+            # The gate's own rule, paused: a job passes once unacked bytes are down to the
+            # low mark and it fits (hsextract.stream.gate.wait_for_room).
+            low = stream["low_mark"] * budget
+            return len(at_gate) == 2 and not any(
+                unacked <= low and unacked + gate.estimate_bytes(st, tokens_of[c], bpt) <= budget
+                for c in at_gate
             )
 
         poll(waiting, "the workflow waiting for the trainer", timeout=600)
