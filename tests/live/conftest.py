@@ -28,6 +28,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     # The audit on a third architecture (a tiny Llama through hooks), then the same run with
     # a wrong capture injected in the server (faults.captured_batch): two workflows.
     "7": ("test_the_audit_passes_a_live_llama_run_and_catches_an_injected_error",),
+    # The audit on the Qwen3 the module fixture builds (one workflow through hooks).
+    "8": ("test_the_audit_passes_a_live_qwen3_run",),
 }
 GROUP_ENV = "HSEXTRACT_LIVE_GROUP"
 

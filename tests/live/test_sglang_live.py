@@ -309,52 +309,69 @@ def _audit_passed(rd: Path, name: str) -> dict:
     return figures
 
 
+def _audited_workflow(live, model: Path, name: str, fault: str | None) -> dict:
+    """``snakemake -j1 extract_all`` through hooks with the audit on (16 records); with
+    ``fault`` (a chunk), that chunk's records stored one position late by the server's
+    capture (``HSEXTRACT_FAULTS``, ``faults.captured_batch`` in hsextract.sglang.hooks).
+    Without it the audit must pass; with it the audit must fail in one sentence naming a
+    layer, deleting nothing.  Its figures go to the report."""
+    wd = live.root / name
+    wd.mkdir()
+    try:
+        live_config(wd, model, live.inputs, capture="hooks", **{"audit.records": 16})
+        env = None
+        if fault:
+            spec = {"capture": [{"rid": fault, "do": "shift_positions"}],
+                    "log": str(wd / "faults.jsonl")}  # fmt: skip
+            env = {"HSEXTRACT_FAULTS": json.dumps(spec)}
+        t0 = time.monotonic()
+        res = snakemake(wd, "-j1", "extract_all", env=env)
+        seconds = round(time.monotonic() - t0, 1)
+        _report(f"{name}.log", res.stdout[-6000:] + res.stderr[-10000:])
+        rd = _run_dir(wd)
+        if not fault:
+            assert res.returncode == 0, res.stderr[-6000:]
+            return {"seconds": seconds, "audit": _audit_passed(rd, name)}
+        fired = (wd / "faults.jsonl").read_text() if (wd / "faults.jsonl").exists() else ""
+        assert "shift_positions" in fired, "the injected capture fault never fired"
+        assert res.returncode != 0, "the audit passed a run whose capture was wrong"
+        failed = json.loads((rd / "state" / "audit.failed.json").read_text())
+        assert failed["verdict"] == "fail", failed
+        sentence = failed["sentence"]
+        assert "layer" in sentence or "final" in sentence, sentence
+        assert sentence in res.stdout + res.stderr, "the failure sentence was not shown"
+        assert not (rd / "state" / "audit.json").exists()
+        chunks = sorted((rd / "hidden").glob("chunk_*.safetensors"))
+        assert len(chunks) == 3 and (rd / "manifest.json").is_file()
+        assert _verify(rd).returncode == 0, _verify(rd).stdout
+        shown = {"seconds": seconds, "sentence": sentence, "layers": failed["layers"]}
+        _report(f"{name}_audit_failed.json", shown)
+        return shown
+    finally:
+        found = _end_everything_under(wd)
+        if found:
+            _report(f"{name}: ended after the test", "\n".join(found))
+
+
 def test_the_audit_passes_a_live_llama_run_and_catches_an_injected_error(live):
     """A tiny Llama (non-uniform norm weights) through hooks: the workflow's audit passes,
     each captured layer's figures reported.  Then the same run with the server's capture
-    made wrong at capture time (``HSEXTRACT_FAULTS``: chunk_00001's records stored one
-    position late, ``faults.captured_batch`` in hsextract.sglang.hooks; every other check
-    passes them): the audit fails in one sentence naming a layer, and deletes nothing --
-    the chunks and the manifest stay, and verify still passes their sha256s."""
+    made wrong at capture time (chunk_00001's records stored one position late; every
+    other check passes them): the audit fails in one sentence naming a layer, and deletes
+    nothing -- the chunks and the manifest stay, and verify still passes their sha256s."""
     llama = build_tiny_llama(live.root / "tiny-llama")
-    shown = {}
-    for name, fault in (("audit-llama", None), ("audit-llama-shifted", "chunk_00001")):
-        wd = live.root / name
-        wd.mkdir()
-        try:
-            live_config(wd, llama, live.inputs, capture="hooks", **{"audit.records": 16})
-            env = None
-            if fault:
-                spec = {"capture": [{"rid": fault, "do": "shift_positions"}],
-                        "log": str(wd / "faults.jsonl")}  # fmt: skip
-                env = {"HSEXTRACT_FAULTS": json.dumps(spec)}
-            t0 = time.monotonic()
-            res = snakemake(wd, "-j1", "extract_all", env=env)
-            seconds = round(time.monotonic() - t0, 1)
-            _report(f"{name}.log", res.stdout[-6000:] + res.stderr[-10000:])
-            rd = _run_dir(wd)
-            if not fault:
-                assert res.returncode == 0, res.stderr[-6000:]
-                shown[name] = {"seconds": seconds, "audit": _audit_passed(rd, name)}
-                continue
-            fired = (wd / "faults.jsonl").read_text() if (wd / "faults.jsonl").exists() else ""
-            assert "shift_positions" in fired, "the injected capture fault never fired"
-            assert res.returncode != 0, "the audit passed a run whose capture was wrong"
-            failed = json.loads((rd / "state" / "audit.failed.json").read_text())
-            assert failed["verdict"] == "fail", failed
-            sentence = failed["sentence"]
-            assert "layer" in sentence or "final" in sentence, sentence
-            assert sentence in res.stdout + res.stderr, "the failure sentence was not shown"
-            assert not (rd / "state" / "audit.json").exists()
-            chunks = sorted((rd / "hidden").glob("chunk_*.safetensors"))
-            assert len(chunks) == 3 and (rd / "manifest.json").is_file()
-            assert _verify(rd).returncode == 0, _verify(rd).stdout
-            shown[name] = {"seconds": seconds, "sentence": sentence, "layers": failed["layers"]}
-            _report(f"{name}_audit_failed.json", shown[name])
-        finally:
-            found = _end_everything_under(wd)
-            if found:
-                _report(f"{name}: ended after the test", "\n".join(found))
+    _audited_workflow(live, llama, "audit-llama", None)
+    _audited_workflow(live, llama, "audit-llama-shifted", "chunk_00001")
+    left = _no_sglang_left(live.root)
+    assert not left, left
+    assert gpu_used_mib() < 2000
+
+
+def test_the_audit_passes_a_live_qwen3_run(live):
+    """The audit on the second architecture the live kit builds (a tiny Qwen3, through
+    hooks; DeepSeek-V3 through the patch is group 1's, the Llama group 7's): it passes on
+    the GPU the server freed, every captured layer's figures reported."""
+    _audited_workflow(live, live.qwen3, "audit-qwen3", None)
     left = _no_sglang_left(live.root)
     assert not left, left
     assert gpu_used_mib() < 2000
