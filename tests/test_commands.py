@@ -145,6 +145,47 @@ def test_a_chunks_redo_advice_names_the_runs_config_and_a_rule(tmp_path, monkeyp
     assert "chunk_00001.safetensors" in proc.stdout
 
 
+def test_a_recorded_runs_advice_leaves_out_another_workflows_one_off_overrides(
+    tmp_path, monkeypatch
+):
+    """Issue 57 (8): a run dir records the sources of the last workflow that ran jobs for
+    it; after ``export_specforge --config 'export={specforge: {gzip: true}}'`` with a
+    debugging ``client={sending_jobs: 1}``, a chunk's redo advice (verify, a trainer's
+    reader) re-applied both.  It keeps what makes the run (a launch setting, the seed, a
+    key hsextract does not declare) and leaves the one-offs out."""
+    from hsextract import commands
+    from hsextract.chunkfile import redo_chunk
+
+    mine = _user_config(tmp_path)
+    run = tmp_path / "my runs" / "0123abcd"
+    (run / "hidden").mkdir(parents=True)
+    given = (
+        "export={specforge: {gzip: true}}",
+        "client={sending_jobs: 1, requests_in_flight: 4}",
+        "server={chunked_prefill_size: 64, port: 30001}",
+        "seed=3",
+        "audit={records: 0}",
+        "unknown_key=1",
+    )
+    commands.record(run, commands.ConfigSources(
+        workdir=str(tmp_path), configfiles=(str(mine),), config=given, run_dir=str(run),
+    ))  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(commands.SOURCES_ENV, raising=False)
+    (hint,) = _suggested(redo_chunk(run / "hidden" / "chunk_00001.safetensors"))
+    words = shlex.split(hint)
+    entries = words[words.index("--config") + 1 :]
+    assert entries == ["server={chunked_prefill_size: 64, port: 30001}", "seed=3",
+                       "unknown_key=1"], hint  # fmt: skip
+    # Only a recorded workflow's one-offs go: the workflow's own jobs keep all of theirs.
+    commands.set_current(commands.ConfigSources(str(tmp_path), (str(mine),), given, str(run)))
+    try:
+        words = shlex.split(commands.snakemake_command(run / "hidden" / "x", run_dir=run))
+        assert words[words.index("--config") + 1 :] == list(given)
+    finally:
+        commands.set_current(None)
+
+
 # Prose that names a command without suggesting it be run: a docstring, the settings
 # table's note (README text, where the project's own demo is meant).
 PROSE = ("the shards `hsextract plan` and the merge see", "`hsextract plan` says the size")

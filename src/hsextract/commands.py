@@ -27,6 +27,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from hsextract.settings import GROUPS, SETTINGS
+
 #: The environment variable carrying the current config's sources to the workflow's jobs.
 SOURCES_ENV = "HSEXTRACT_CONFIG_SOURCES"
 #: Where a run dir records the sources of the workflow that last ran it.
@@ -152,12 +156,59 @@ def _parse(text: str | None) -> ConfigSources | None:
         return None
 
 
+#: Kinds of setting whose ``--config`` override belongs to the workflow that gave it, not
+#: to the run (hsextract.settings): read when used, or an export's own.
+ONE_OFF_KINDS = frozenset({"neither", "export"})
+
+
 def sources_for(run_dir: str | os.PathLike[str] | None = None) -> ConfigSources | None:
-    """The sources to render with: the current process's, else those ``run_dir`` recorded."""
+    """The sources to render with: the current process's, else those ``run_dir`` recorded,
+    less the overrides that belong to the workflow that recorded them (:func:`run_own`)."""
     here = current()
     if here is not None or run_dir is None:
         return here
-    return recorded(run_dir)
+    src = recorded(run_dir)
+    return None if src is None else replace(src, config=run_own(src.config))
+
+
+def run_own(entries: Sequence[str]) -> tuple[str, ...]:
+    """The ``--config`` entries that make the run what it is.
+
+    A run dir records the sources of the last workflow that ran jobs for it, whatever that
+    workflow was for: ``snakemake -j1 export_speculators --config 'export={...}'`` or a
+    debugging ``client={sending_jobs: 1}``.  Advice rendered from that record (a chunk to
+    redo, from ``verify`` or a trainer's reader) re-applied those one-offs to a command
+    that has nothing to do with them.  Overrides of every other kind are the run's own:
+    without them the redo would read another run, or rerun its stages.  A key hsextract
+    does not declare is kept (Snakemake's validation names it, as it did for the run).
+    """
+    kept = []
+    for entry in entries:
+        key, sep, text = entry.partition("=")
+        try:
+            value = yaml.safe_load(text) if sep else None
+        except yaml.YAMLError:
+            kept.append(entry)
+            continue
+        own = _own_part([key], value)
+        if own is _DROP:
+            continue
+        kept.append(entry if own == value else config_entry([key], own))
+    return tuple(kept)
+
+
+_DROP = object()
+
+
+def _own_part(path: list[str], value: Any) -> Any:
+    """``value`` at ``path`` less its one-off settings (``_DROP``: nothing is left)."""
+    key = ".".join(path)
+    if key in SETTINGS:
+        return _DROP if set(SETTINGS[key].kinds) <= ONE_OFF_KINDS else value
+    if key not in GROUPS or not isinstance(value, Mapping):
+        return value
+    own = {k: v for k, x in value.items() if (v := _own_part([*path, str(k)], x)) is not _DROP}
+    return own or _DROP
 
 
 def snakemake_command(
