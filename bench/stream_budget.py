@@ -17,10 +17,27 @@ after the other (``snakemake -jN extract_all`` each, its own output root):
   longest, through the same workflow, so the triton kernels are compiled before either
   measured run (a fresh machine compiles them on the first requests, ~75 s, which would
   land inside whichever run came first);
-* ``none``: no budget.  A 5-minute 8B pass writes >100 GB on a 64 GiB disk, so each
-  finished chunk's states are freed on disk once its sidecar exists (race.py's
-  ``--reclaim``: the blocks of its largest tensor punched out, size and header kept); the
-  disk figure of this run is the bytes it wrote (what it would hold without the bench);
+* ``none``: no budget: the producer alone.  A 5-minute 8B pass writes >100 GB on a 64 GiB
+  disk, so finished chunks' states are freed on disk once their sidecar exists (race.py's
+  reclaim: the blocks of the largest tensor punched out, size and header kept), all but
+  the latest ones whose bytes on disk fit ``--consumer-alone-gb`` (12 GB: ~1/3 of the 8B
+  run's 34 GB of lossless chunks, ~35 GB of raw states; with the chunks in flight, well
+  inside the GPU host's 64 GiB disk), kept whole for the next step; the disk figure of
+  this run is the bytes it wrote (what it would hold without the bench), and what it
+  held includes the kept chunks;
+* ``consumer alone`` (no GPU): those kept chunks read with no producer running, by the
+  very consumer of the budget run (``_consume``, below: the same ``StreamDataset`` in the
+  same ``DataLoader``, ``--consumer-workers`` workers, each chunk's sha256 checked before
+  its first record).  The reader follows a journal, which a run without a budget has
+  not: the bench hard-links the kept chunk files into a run dir of its own and announces
+  each there with the stream's own ``hsextract.stream.journal.announce``, from the
+  chunk's sidecar (the sha256 the writer took after its fsync, its records and tokens),
+  all before the consumer starts: nothing it reads waits for a producer.  What is
+  measured: the records and raw-state bytes it got from its first sample to its last
+  (the first chunk's hash comes before, as in the stream consumer's figure), stopped at
+  ``--consumer-alone-s`` (30) after it starts iterating (worker start included in that
+  bound, not in the rate), so its time is bounded whatever the reader's speed; it is
+  budgeted inside ``--budget-s``.  Then the kept chunks and the links are removed;
 * ``budget``: ``stream.budget_gb`` at ``--budget-frac`` (0.05) of the run's estimated
   bytes (its tokens x the raw bytes per token the gate estimates with), and a consumer
   process (``_consume`` below) that reads every record through
@@ -30,10 +47,12 @@ after the other (``snakemake -jN extract_all`` each, its own output root):
 
 Both runs get the bench's preflight shim (``bench/reclaim_shim``: the output disk looks 8x
 larger to ``preflight_budget``, which sizes the whole run and does not know the stream
-budget), so they run the same code.  The two runs cannot share one SGLang server: a
-server belongs to one run dir (``state/server.<host>.live.json``) and the workflow's
-onsuccess/onerror stop it, and the two runs need two run dirs (one would find the other's
-chunks done); so each pays its own start, outside the measured phase.
+budget), so they run the same code; every run has the audit stage off (``unaudited``
+below: it comes after what is measured and cannot pass on punched chunks or dummy
+weights).  The two runs cannot share one SGLang server: a server belongs to one run dir
+(``state/server.<host>.live.json``) and the workflow's onsuccess/onerror stop it, and the
+two runs need two run dirs (one would find the other's chunks done); so each pays its own
+start, outside the measured phase.
 
 The chunk count: the gate refuses a budget below ``max(window, (window - 1) / low_mark)``
 x the largest chunk's raw estimate, window = prefetch_chunks + checkpoint_chunks + 1 =
@@ -50,7 +69,13 @@ receipts, stream/receipts.py), so the payload a gate deletes is no output Snakem
 checks, and the budget run's manifest lists deleted, acked chunks from their receipts.
 
 Figures: the sending phase's tokens/s of each run (race.py's definition, from the chunks'
-sidecars: the first request sent to the last response), their ratio (goal >= 0.95); disk
+sidecars: the first request sent to the last response), their ratio (goal >= 0.95).  Three
+rates in GB/s of raw states (tokens x the raw bytes per token, what a reader gets
+decoded): the producer alone (the ``none`` run's sending rate), the consumer alone
+(aggregate and per worker, and records/s), and the stream (the ``budget`` run's sending
+rate); the stream against the smaller of the other two, goal >= 0.95.  A stream goes no
+faster than its slower side, so this asks what coupling the two costs: a budget/none ratio
+below 0.95 with this goal met says the reader, not the stream, holds the run back.  Disk
 in use sampled every ``--period`` s in a thread (bytes of chunk payloads under the run's
 hidden/, temp files included, allocated and logical; unacked bytes from the stream's
 journal and acks; /dev/shm in use; whether the gate is shut), its peak against budget +
@@ -58,7 +83,8 @@ the largest chunk; the consumer's records/s, whether it read every record exactl
 and whether it kept up (time the gate was shut, the chunk jobs' waits, read-to-ack lag).
 ``$OUT`` (or ``--out``) gets ``stream_budget.json``, ``disk.csv``, ``disk.png`` and
 ``stream_budget-logs.tar.xz``.  Last line:
-``stream budget: ratio X.XXX peak_GB Y budget_GB Z largest_chunk_GB W``.
+``stream budget: ratio X.XXX peak_GB Y budget_GB Z largest_chunk_GB W producer_GBps P
+consumer_GBps C stream_GBps S stream/smaller R.RRR (goal 0.95: met|unmet)`` (one line).
 """
 
 from __future__ import annotations
@@ -97,6 +123,13 @@ MARKER = ".stream_budget_bench"  # the work dir is ours: only then is anything r
 #: --quick: the demo's tiny DeepSeek-V3 (config.yaml's demo section), float32, CPU.
 QUICK_DEMO = {"seed": 0, "num_hidden_layers": 8, "hidden_size": 64, "vocab_size": 512}
 QUICK_MAX_LEN = 96
+#: The consumer-alone pass's run dir (under the work dir) and its files' name.
+ALONE = "consumer-alone"
+#: Beyond --consumer-alone-s, what the plan sets aside for the pass's start: torch's
+#: import and the loader workers' (its rate is from the first sample), the links and
+#: announcements; and the most it waits beyond before stopping a hung reader.
+ALONE_START_S = 10.0
+ALONE_OVERHEAD_S = 30.0
 WAITED_RE = re.compile(r"stream budget:.*\(waited ([\d.]+) s\)")
 
 
@@ -106,8 +139,8 @@ WAITED_RE = re.compile(r"stream budget:.*\(waited ([\d.]+) s\)")
 def own_work_dir(work: Path) -> None:
     """``race.own_work_dir``, then an earlier call's runs removed."""
     race.own_work_dir(work, MARKER, "bench/stream_budget.py")
-    for old in work.glob("results-sb-*"):  # an earlier call's runs: their chunks look done
-        shutil.rmtree(old)
+    for old in [*work.glob("results-sb-*"), work / ALONE]:  # an earlier call's: they look done
+        shutil.rmtree(old, ignore_errors=True)
     shutil.rmtree(work / "logs", ignore_errors=True)
     (work / "logs").mkdir()
 
@@ -132,6 +165,18 @@ def quick_config(work: Path, data: Path, n_chunks: int, tag: str) -> Path:
     path = work / tag / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+def unaudited(cfg_path: Path) -> Path:
+    """No audit stage (``audit.records`` 0): it comes after what is measured, it recomputes
+    records with HF's forward of model.path, which the 8B shape's dummy weights do not hold
+    on disk, and it checks the chunks' sha256, which the reclaim's punched chunks fail."""
+    import yaml
+
+    cfg = yaml.safe_load(cfg_path.read_text())
+    cfg["audit"] = {**(cfg.get("audit") or {}), "records": 0}
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    return cfg_path
 
 
 def with_budget(cfg_path: Path, budget_bytes: int) -> None:
@@ -193,6 +238,42 @@ def choose_chunks(lens: list[int], bpt: int, frac: float, forced: int | None) ->
         f"no chunk count fits a budget of {frac:g} of the run's {total * bpt / GB:.3g} GB: even "
         "one record per chunk is refused by the gate; raise --budget-frac or --tokens"
     )
+
+
+def reclaimer(results: Path, stop: threading.Event, ledger: dict, keep_bytes: int) -> None:
+    """race.py's reclaimer, but the latest finished chunks whose bytes on disk fit
+    ``keep_bytes`` stay whole: each chunk is held back when it finishes, and the oldest
+    held is punched once the held bytes pass ``keep_bytes``.  Why the latest: the disk
+    holds at most ``keep_bytes`` more at any time, whichever are kept, and the consumer
+    alone reads what was just written, as the stream's consumer does."""
+    seen: set[Path] = set()
+    held: list[tuple[Path, int]] = []  # oldest first
+    while True:
+        last = stop.is_set()
+        for sc in sorted(results.glob("*/hidden/chunk_*.json")):
+            if sc in seen:
+                continue
+            p = sc.with_suffix(".safetensors")
+            try:
+                json.loads(sc.read_text())
+                race._safetensors_extents(p)
+                disk = p.stat().st_blocks * 512
+            except (OSError, ValueError):
+                continue  # being written
+            seen.add(sc)
+            ledger["disk_bytes"] = ledger.get("disk_bytes", 0) + disk
+            held.append((p, disk))
+            while held and sum(d for _, d in held) > keep_bytes:
+                old, _ = held.pop(0)
+                ledger["freed_bytes"] = ledger.get("freed_bytes", 0) + race._punch_largest_tensor(
+                    old
+                )
+                ledger["punched"] = ledger.get("punched", 0) + 1
+        ledger["kept"] = [p.stem for p, _ in held]
+        ledger["kept_bytes"] = sum(d for _, d in held)
+        if last:
+            return
+        stop.wait(0.5)
 
 
 # --- sampling disk in use ------------------------------------------------------------------
@@ -321,7 +402,8 @@ class DiskSampler:
 
 def consume(args: argparse.Namespace) -> None:
     """Inside the consumer process: every record of the run through StreamDataset, each
-    chunk acked as soon as all its records are read.
+    chunk acked as soon as all its records are read; the consumer alone's too, where
+    ``--stop-after-s`` bounds its time (the samples after it are not counted).
 
     A plain torch DataLoader, not torchdata's StatefulDataLoader: this consumer acks
     what it has read, not what a checkpoint covers (``consumed_seqs`` is for that), so it
@@ -347,8 +429,13 @@ def consume(args: argparse.Namespace) -> None:
     records_of: dict[int, int] = {}
     tokens = raw_bytes = 0
     first = last_t = None
+    stop_at = time.time() + args.stop_after_s if args.stop_after_s else None
+    stopped = False
     for sample in dl:
         now = time.time()
+        if stop_at is not None and now >= stop_at:
+            stopped = True  # the consumer alone: its time is bounded, not its chunks
+            break
         first = first or now
         last_t = now
         seq = int(sample["seq"])
@@ -377,6 +464,7 @@ def consume(args: argparse.Namespace) -> None:
                 "first_at": first,
                 "last_at": last_t,
                 "workers": args.workers,
+                "stopped_at_limit": stopped,
                 "records_per_s": round(len(ids) / span, 1) if span else None,
                 "tokens_per_s": round(tokens / span) if span else None,
                 "raw_gb_per_s": round(raw_bytes / span / GB, 3) if span else None,
@@ -387,8 +475,10 @@ def consume(args: argparse.Namespace) -> None:
     )
 
 
-def start_consumer(run_dir: Path, work: Path, workers: int):
-    out = work / "consumer.json"
+def start_consumer(
+    run_dir: Path, work: Path, workers: int, name: str = "consumer", stop_after_s: float = 0
+):
+    out = work / f"{name}.json"
     out.unlink(missing_ok=True)
     cmd = [
         sys.executable,
@@ -400,8 +490,10 @@ def start_consumer(run_dir: Path, work: Path, workers: int):
         str(workers),
         "--out",
         str(out),
+        "--stop-after-s",
+        str(stop_after_s),
     ]
-    log = open(work / "logs" / "consumer.log", "w")  # noqa: SIM115 - closed with the process
+    log = open(work / "logs" / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return proc, out, log
 
@@ -441,6 +533,7 @@ def run_workflow(
     env: dict,
     period: float,
     consumer: dict | None = None,
+    keep_bytes: int = 0,
 ) -> dict:
     """``snakemake -jN extract_all`` on ``cfg_path``: disk sampled, the consumer alongside
     (budget run), the sending phase from the sidecars."""
@@ -466,11 +559,12 @@ def run_workflow(
             )
             ledger: dict = {}
             stop_reclaim = threading.Event()
-            reclaimer = threading.Thread(
-                target=race._reclaimer, args=(race.results_dir(cfg_path), stop_reclaim, ledger)
+            reclaim_t = threading.Thread(
+                target=reclaimer,
+                args=(race.results_dir(cfg_path), stop_reclaim, ledger, keep_bytes),
             )
             if reclaim:
-                reclaimer.start()
+                reclaim_t.start()
             try:
                 out["rc"] = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -484,7 +578,7 @@ def run_workflow(
             out["snakemake_s"] = round(time.time() - t_start, 1)
             stop_reclaim.set()
             if reclaim:
-                reclaimer.join()
+                reclaim_t.join()
                 out["reclaim"] = ledger
         if cons is not None:
             proc_c, path_c, log_c = cons
@@ -579,9 +673,107 @@ def check_consumer(r: dict, run_dir: Path) -> dict:
         else None,
         "records_per_s": c["records_per_s"],
         "tokens_per_s": c["tokens_per_s"],
-        "raw_gb_per_s": c["raw_gb_per_s"],
+        # Not the consumer's own rounded figure: the CPU run's ~1e-4 GB/s rounds to 0.
+        "raw_gb_per_s": sig(c["raw_bytes"] / (c["last_at"] - c["first_at"]) / GB)
+        if c.get("first_at") and c.get("last_at") and c["last_at"] > c["first_at"]
+        else None,
         "workers": c["workers"],
     }
+
+
+def consumer_alone(work: Path, none: dict, *, workers: int, limit_s: float) -> dict:
+    """The budget run's consumer (``_consume``) over the chunks the ``none`` run kept whole,
+    with no producer: announced up front in a run dir of the bench's own (module
+    docstring), read for at most ``limit_s``; then whether it read every record it was
+    given exactly once, each chunk's bytes checked against its sidecar's sha256."""
+    from hsextract.stream.journal import announce
+
+    rd = Path(none["run_dir"])
+    side = {s["chunk"]: s for s in sidecars_of(rd)}
+    given = [side[c] for c in (none.get("reclaim") or {}).get("kept", []) if c in side]
+    if not given:
+        return {"why": "the run without a budget kept no chunk whole (--consumer-alone-gb)"}
+    replay = work / ALONE
+    shutil.rmtree(replay, ignore_errors=True)
+    (replay / "hidden").mkdir(parents=True)
+    want: Counter = Counter()
+    try:
+        for s in given:
+            # A hard link: the very file the run wrote (same inode, same page cache), no copy.
+            os.link(rd / "hidden" / s["path"], replay / "hidden" / s["path"])
+            for line in (rd / "chunks" / f"{s['chunk']}.jsonl").open("rb"):
+                want[json.loads(line)["id"]] += 1
+        for s in given:
+            # shapes=None: they shape the end-of-pass padding of a rank short of the others,
+            # and one rank has none.
+            announce(
+                replay,
+                chunk=s["chunk"],
+                path=f"hidden/{s['path']}",
+                sha256=s["sha256"],
+                records=int(s["records"]),
+                tokens=int(s["tokens"]),
+                content_digest=str(s.get("content_digest", "")),
+                n_chunks=len(given),
+            )
+        proc, path, log = start_consumer(replay, work, workers, ALONE, stop_after_s=limit_s)
+        try:
+            # Its own bound is limit_s from its first look; torch's import and the workers'
+            # start come before, a hung reader after: both bounded here.
+            rc: int | str = proc.wait(timeout=limit_s + ALONE_OVERHEAD_S)
+        except subprocess.TimeoutExpired:
+            stop_group(proc, 5)
+            rc = "stopped: it outran its time bound"
+        except BaseException:  # SIGTERM (the harness's limit), Ctrl-C: stop what we started
+            stop_group(proc, 5)
+            raise
+        finally:
+            log.close()
+    finally:
+        shutil.rmtree(replay / "hidden", ignore_errors=True)
+    c = json.loads(path.read_text()) if path.exists() else None
+    if not c:
+        return {"rc": rc, "why": "the consumer alone wrote no figures", "chunks_given": len(given)}
+    got = Counter(c["ids"])
+    sdir = replay / "stream"
+    journal = {int(x["seq"]): x for x in jsonl(sdir / "journal.jsonl") if x.get("type") == "chunk"}
+    acks = jsonl(sdir / "acks.jsonl")
+    acked = {int(q) for a in acks if a.get("type") == "ack" for q in a["seqs"]}
+    # A chunk whose bytes missed the announced sha256 is nacked, never read: no nack and
+    # every record read means every chunk read hashed to the sha256 its writer took.
+    nacks = sum(1 for a in acks if a.get("type") == "nack")
+    span = (c["last_at"] - c["first_at"]) if c.get("first_at") and c.get("last_at") else 0
+    gbs = c["raw_bytes"] / span / GB if span > 0 else None
+    return {
+        "rc": rc,
+        "chunks_given": len(given),
+        "records_given": sum(want.values()),
+        "stored_bytes_given": sum(int(s["bytes"]) for s in given),
+        "raw_bytes_given": sum(int(s["states_raw_bytes"]) for s in given),
+        "stopped_at_limit": bool(c.get("stopped_at_limit")),
+        "records_read": sum(got.values()),
+        "tokens_read": c["tokens"],
+        "raw_bytes_read": c["raw_bytes"],
+        "every_record_once": got == want,
+        "none_twice_none_foreign": all(v == 1 for v in got.values()) and got.keys() <= want.keys(),
+        "chunks_read": len(acked & set(journal)),
+        "sha256_as_sidecar": all(
+            journal[q]["sha256"] == side[journal[q]["chunk"]]["sha256"]
+            for q in acked & set(journal)
+        ),
+        "nacks": nacks,
+        "span_s": round(span, 3),
+        "workers": c["workers"],
+        "records_per_s": round(len(c["ids"]) / span, 2) if span > 0 else None,
+        "tokens_per_s": round(c["tokens"] / span, 1) if span > 0 else None,
+        "raw_gb_per_s": sig(gbs),
+        "raw_gb_per_s_per_worker": sig(gbs / c["workers"]) if gbs else None,
+    }
+
+
+def sig(x: float | None, n: int = 4) -> float | None:
+    """``n`` significant digits: the CPU run's rates are ~1e-4 GB/s, where round(x, 3) is 0."""
+    return None if x is None else float(f"{x:.{n}g}")
 
 
 # --- output --------------------------------------------------------------------------------
@@ -685,6 +877,19 @@ def main() -> None:
     )
     ap.add_argument("--jobs", type=int, default=None, help="snakemake -j (12; quick 2)")
     ap.add_argument("--consumer-workers", type=int, default=3, help="its DataLoader workers")
+    ap.add_argument(
+        "--consumer-alone-gb",
+        type=float,
+        default=12.0,
+        help="the latest chunks of the run without a budget kept whole up to this many GB on "
+        "disk, for the consumer alone (12: safe on the GPU host's 64 GiB disk)",
+    )
+    ap.add_argument(
+        "--consumer-alone-s",
+        type=float,
+        default=30.0,
+        help="the consumer alone reads for at most this long (inside --budget-s)",
+    )
     ap.add_argument("--period", type=float, default=0.5, help="disk sampling period (s)")
     ap.add_argument(
         "--no-warmup",
@@ -730,7 +935,7 @@ def main() -> None:
         vocab = QUICK_DEMO["vocab_size"]
 
         def make_config(n: int, tag: str, path: Path = data) -> Path:
-            return quick_config(work, path, n, tag)
+            return unaudited(quick_config(work, path, n, tag))
 
         aux = None
     else:
@@ -744,7 +949,7 @@ def main() -> None:
         vocab = shape["vocab_size"]
 
         def make_config(n: int, tag: str, path: Path = data) -> Path:
-            return race.hsx_config(work, path, n, tag, aux)
+            return unaudited(race.hsx_config(work, path, n, tag, aux))
 
         # The preflight sizes the whole run's raw states against the disk and knows nothing
         # of the stream budget (nor of the reclaim): both runs see an 8x larger disk.
@@ -829,10 +1034,12 @@ def main() -> None:
             if r["rc"] != 0:
                 raise SystemExit("the warm-up run failed; see its log tail above")
             race.wait_gpu_free()
+        alone_s = args.consumer_alone_s + ALONE_START_S
         for tag in ("none", "budget"):
             left = deadline - time.monotonic()
-            # Both runs do the same work: the first gets half of what is left.
-            limit = (left - 20) / 2 if tag == "none" else left - 15
+            # Both runs do the same work: the first gets half of what is left once the
+            # consumer alone's time is set aside.
+            limit = (left - 20 - alone_s) / 2 if tag == "none" else left - 15
             print(f"== {tag} ({limit:.0f} s at most)", flush=True)
             r = run_workflow(
                 work,
@@ -840,21 +1047,36 @@ def main() -> None:
                 configs[tag],
                 jobs=jobs,
                 timeout_s=max(30.0, limit),
-                reclaim=tag == "none" and not args.quick,
+                # On the CPU too (its chunks fit any disk): the chunks the consumer alone
+                # reads are chosen the one way.
+                reclaim=tag == "none",
                 env=env,
                 period=args.period,
                 consumer={"workers": args.consumer_workers} if tag == "budget" else None,
+                keep_bytes=int(args.consumer_alone_gb * GB),
             )
             runs[tag] = r
             if tag == "budget":
                 r["consumer_check"] = check_consumer(r, Path(r["run_dir"]))
-            if tag == "none":  # its payloads (punched, or whole on the CPU) make room
-                for p in (Path(r["run_dir"]) / "hidden").glob("chunk_*.safetensors"):
-                    p.unlink()
             save()
             brief = {k: v for k, v in r.items() if k not in ("disk_rows", "consumer")}
             print(json.dumps(brief, default=str), flush=True)
             race.wait_gpu_free()
+            if tag == "none":
+                print(
+                    f"== consumer alone ({args.consumer_alone_s:.0f} s of reading at most)",
+                    flush=True,
+                )
+                try:
+                    ca = consumer_alone(
+                        work, r, workers=args.consumer_workers, limit_s=args.consumer_alone_s
+                    )
+                finally:  # its payloads (punched or kept) make room for the budget run
+                    for p in (Path(r["run_dir"]) / "hidden").glob("chunk_*.safetensors"):
+                        p.unlink()
+                results["consumer_alone"] = ca
+                save()
+                print(json.dumps(ca, default=str), flush=True)
     finally:
         save()
         subprocess.run(
@@ -882,8 +1104,42 @@ def summarize(results: dict, out_dir: Path, elapsed: float) -> None:
     ratio = rb / ra if ra and rb else None
     peak = b.get("peak_disk_bytes")
     cc = b.get("consumer_check") or {}
+    ca = results.get("consumer_alone") or {}
+    # The three rates in one unit, raw states a second: a sending rate's tokens x the raw
+    # bytes a token (what the consumer gets per token, ids and mask included).
+    bpt = results["raw_bytes_per_token"]
+    prod = ra * bpt / GB if ra else None
+    cons = ca.get("raw_gb_per_s")
+    stream = rb * bpt / GB if rb else None
+    smaller = min(prod, cons) if prod and cons else None
+    of_smaller = stream / smaller if stream and smaller else None
+    figures = {
+        "producer_alone": {"tok_s": ra, "raw_gb_s": sig(prod)},
+        "consumer_alone": {
+            "raw_gb_s": cons,
+            "raw_gb_s_per_worker": ca.get("raw_gb_per_s_per_worker"),
+            "records_s": ca.get("records_per_s"),
+            "tok_s": ca.get("tokens_per_s"),
+            "workers": ca.get("workers"),
+        },
+        "stream": {
+            "tok_s": rb,
+            "raw_gb_s": sig(stream),
+            # Its consumer's own rate over the run, waits for the producer included.
+            "consumer_raw_gb_s": cc.get("raw_gb_per_s"),
+        },
+        "smaller": None if smaller is None else ("producer" if smaller == prod else "consumer"),
+        "stream_of_smaller": sig(of_smaller),
+        "goal": 0.95,
+        "met": of_smaller is not None and of_smaller >= 0.95,
+    }
     checks = {
         "ratio_ge_0.95": ratio is not None and ratio >= 0.95,
+        "stream_ge_0.95_of_smaller": figures["met"],
+        "consumer_alone_read_once": bool(ca.get("none_twice_none_foreign"))
+        and ca.get("nacks") == 0
+        and bool(ca.get("sha256_as_sidecar"))
+        and (bool(ca.get("every_record_once")) or bool(ca.get("stopped_at_limit"))),
         "peak_le_budget_plus_largest": peak is not None
         and largest is not None
         and peak <= budget + largest,
@@ -898,6 +1154,7 @@ def summarize(results: dict, out_dir: Path, elapsed: float) -> None:
         "budget_of_stored_run": round(budget / stored, 4) if stored else None,
         "peak_disk_bytes": peak,
         "largest_chunk_bytes": largest,
+        "rates": figures,
         "checks": checks,
         "elapsed_s": round(elapsed, 1),
     }
@@ -928,10 +1185,21 @@ def summarize(results: dict, out_dir: Path, elapsed: float) -> None:
         )
     if a.get("peak_logical_bytes"):
         print(
-            f"no budget: {gb(a['peak_logical_bytes'])} GB of chunk files written (freed as "
-            "they finished by the bench's reclaim)"
-            if a.get("reclaim")
-            else f"no budget: {gb(a['peak_logical_bytes'])} GB of chunk files on disk at the end"
+            f"no budget: {gb(a['peak_logical_bytes'])} GB of chunk files written, freed as "
+            f"they finished by the bench's reclaim but the latest "
+            f"{gb((a.get('reclaim') or {}).get('kept_bytes'))} GB, kept for the consumer alone"
+        )
+    if ca:
+        print(
+            f"consumer alone: {ca.get('records_read')} of {ca.get('records_given')} records of "
+            f"{ca.get('chunks_given')} chunks ({gb(ca.get('raw_bytes_given'))} GB raw) read "
+            f"in {ca.get('span_s')} s"
+            + (" (stopped at --consumer-alone-s)" if ca.get("stopped_at_limit") else "")
+            + f", every one once: {ca.get('every_record_once')}, sha256 checked: "
+            f"{ca.get('sha256_as_sidecar')} ({ca.get('nacks')} nacks); "
+            f"{ca.get('records_per_s')} records/s, {ca.get('raw_gb_per_s')} GB/s of raw states, "
+            f"{ca.get('raw_gb_per_s_per_worker')} a worker of {ca.get('workers')}"
+            + (f" ({ca['why']})" if ca.get("why") else "")
         )
     if b.get("rc") not in (0, None):
         print(
@@ -959,11 +1227,23 @@ def summarize(results: dict, out_dir: Path, elapsed: float) -> None:
             f"{budget / stored:.3g} of its stored bytes ({gb(stored)} GB); peak disk "
             f"{gb(peak)} GB vs budget + largest chunk {gb(budget + (largest or 0))} GB"
         )
+    print(
+        f"rates, GB/s of raw states: producer alone {fmt(prod)} ({ra} tok/s), consumer alone "
+        f"{fmt(cons)} ({ca.get('raw_gb_per_s_per_worker')} a worker), stream {fmt(stream)} "
+        f"({rb} tok/s); stream / the smaller ({figures['smaller']}) "
+        f"{fmt(of_smaller, '.3f')}, goal 0.95"
+    )
     print("checks:", json.dumps(checks), f"({elapsed:.0f} s)")
     print(
-        f"stream budget: ratio {ratio if ratio is None else f'{ratio:.3f}'} peak_GB "
-        f"{gb(peak)} budget_GB {gb(budget)} largest_chunk_GB {gb(largest)}"
+        f"stream budget: ratio {fmt(ratio, '.3f')} peak_GB {gb(peak)} budget_GB {gb(budget)} "
+        f"largest_chunk_GB {gb(largest)} producer_GBps {fmt(prod)} consumer_GBps {fmt(cons)} "
+        f"stream_GBps {fmt(stream)} stream/smaller {fmt(of_smaller, '.3f')} (goal 0.95: "
+        f"{'met' if figures['met'] else 'unmet'})"
     )
+
+
+def fmt(x: float | None, spec: str = ".4g") -> str:
+    return "-" if x is None else format(x, spec)
 
 
 if __name__ == "__main__":
@@ -972,6 +1252,7 @@ if __name__ == "__main__":
         for k in ("--run-dir", "--out"):
             p.add_argument(k, required=True)
         p.add_argument("--workers", type=int, default=3)
+        p.add_argument("--stop-after-s", type=float, default=0, help="0: the whole pass")
         consume(p.parse_args(sys.argv[2:]))
     else:
         main()
