@@ -371,6 +371,10 @@ def hsx_config(work: Path, data: Path, n_chunks: int | str, tag: str = "hsx",
     # Contenders run one after another: after a server stops, this machine's GPU keeps
     # ~615 MiB in use with no process listed (seen in the first call), over the 200 MiB gate.
     cfg["gpu"].update(wait_s=60, max_used_mib=2000)
+    # The audit runs HF's forward of model.path after the extraction: these benches serve
+    # SGLang's dummy weights (nothing on disk to load) and --reclaim punches the chunks it
+    # would read, so it could only fail, after everything they measure.
+    cfg["audit"] = {"records": 0}
     (work / tag).mkdir(parents=True, exist_ok=True)
     path = work / tag / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -689,9 +693,8 @@ def run_hsextract(work: Path, cfg_path: Path, jobs: int, tokens: int, timeout_s:
     )  # fmt: skip
     out["server"] = server_log_figures(run / "logs" / "server.log", healthy)
     if sidecars:
-        import yaml
-
-        turns = yaml.safe_load(cfg_path.read_text())["client"]["sending_jobs"]
+        # The turns the jobs used (client.sending_jobs, auto within -j), as they say.
+        turns = max(int(s.get("sending_jobs") or 0) for s in sidecars) or 4
         out.update(sending_figures(sidecars, jobs_n=jobs, n_turns=turns))
         first = out["first_sent_at"]
         out["gpu_busy_sending_pct"] = smp.busy_between(first, first + out["sending_s"])

@@ -949,7 +949,7 @@ def main() -> None:
         vocab = shape["vocab_size"]
 
         def make_config(n: int, tag: str, path: Path = data) -> Path:
-            return unaudited(race.hsx_config(work, path, n, tag, aux))
+            return race.hsx_config(work, path, n, tag, aux)  # the audit off, as race's
 
         # The preflight sizes the whole run's raw states against the disk and knows nothing
         # of the stream budget (nor of the reclaim): both runs see an 8x larger disk.
