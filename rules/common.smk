@@ -39,6 +39,7 @@ from hsextract.smk import runs_jobs
 from hsextract.stages import stage_settings
 from hsextract.stale import claim_run, preview
 from hsextract.summary import clear_failed_merge
+from hsextract.window import WORKFLOW_JOBS_ENV
 
 # The one way a config is read (hsextract.config.load_config, the CLI's too): the
 # --configfile files or ./config.yaml, then --config (dotted keys allowed; its values
@@ -110,6 +111,16 @@ if MAIN:
     os.environ[OWNER_ENV] = str(os.getpid())
     os.environ[OWNER_START_ENV] = str(start_time(os.getpid()))
     os.environ[OWNER_SCOPE_ENV] = host_key()
+
+# How many jobs this workflow runs at once (-j: cores, or nodes under a cluster executor):
+# the chunk jobs send within it (client.sending_jobs auto, hsextract.window), and the log
+# line below says where it caps the count.  In the environment, not a param: a param that
+# moved with -j would rerun every finished chunk.  A dry run runs nothing (its cores are 1
+# whatever -j says); a nested Snakemake keeps its parent's.
+if MAIN and workflow.is_main_process and runs_jobs():
+    _jobs = workflow.nodes or workflow._cores
+    if _jobs:
+        os.environ[WORKFLOW_JOBS_ENV] = str(int(_jobs))
 
 
 def per_node_servers(wildcards=None):

@@ -5,6 +5,7 @@ set value wins; the client never passes either window."""
 from __future__ import annotations
 
 import json
+import math
 import random
 import subprocess
 import sys
@@ -17,7 +18,13 @@ import yaml
 from hsextract.client import _Window
 from hsextract.config import fingerprint, read_config, run_dir
 from hsextract.server import build_spec, spec_settings
-from hsextract.window import Lengths, choose, for_run, merged_lengths
+from hsextract.window import (
+    WORKFLOW_JOBS_ENV,
+    Lengths,
+    choose,
+    for_run,
+    merged_lengths,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,12 +34,14 @@ def _stats(mean: float, p50: float, p99: float, records: int = 1000) -> dict:
     return {"records_out": records, "tokens_out": int(mean * records), "length": length}
 
 
-def _project(tmp_path: Path, **over) -> Path:
-    """An SGLang config of a Qwen3-8B shape (config.json only), its data stage not run."""
+def _project(tmp_path: Path, *, layers: int = 36, hidden: int = 4096, **over) -> Path:
+    """An SGLang config of a Qwen3-8B shape (config.json only; ``layers`` and ``hidden``
+    another's), its data stage not run."""
     model = tmp_path / "Qwen3-8B"
     model.mkdir(exist_ok=True)
     shape = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-             "num_hidden_layers": 36, "hidden_size": 4096, "torch_dtype": "bfloat16"}  # fmt: skip
+             "num_hidden_layers": layers, "hidden_size": hidden,
+             "torch_dtype": "bfloat16"}  # fmt: skip
     (model / "config.json").write_text(json.dumps(shape))
     shard = tmp_path / "data" / "s.jsonl"
     shard.parent.mkdir(exist_ok=True)
@@ -294,3 +303,161 @@ def test_the_reference_engine_never_sees_more_than_either_window(demo_run, tmp_p
         assert torch.equal(a["input_ids"], b["input_ids"]), (name, j)
         for key in ("hidden_states", "aux_hidden_states"):  # other batches: float32 noise
             assert (a[key] - b[key]).abs().max().item() <= 1e-5, (name, j, key)
+
+
+# The rate table's cells (bench/tables/rate_table_h100.csv): the records' statistics the
+# sending jobs are derived from.  Four turns were measured good on all but the chat cell.
+CHAT = Lengths(129.3, 101.0, 494.0, 7736, "chat-7b-5aux")
+SHAREGPT = Lengths(529.4, 280.0, 3968.0, 3778, "sharegpt-8b-3aux")
+BIMODAL = Lengths(1375.2, 434.0, 7330.0, 1637, "bimodal-llama-4aux")
+LONG = Lengths(5900.0, 5600.0, 8000.0, 340, "long records")
+
+
+def _chat_7b(tmp_path: Path, **over) -> Path:
+    """The chat cell's shape: Qwen2.5-7B (28 layers of 3,584), five aux layers captured,
+    client.sending_jobs at its default."""
+    over = {"aux_layers": [2, 8, 14, 19, 25], "client.sending_jobs": "auto", **over}
+    return _project(tmp_path, layers=28, hidden=3584, **over)
+
+
+def _window(win) -> tuple:
+    return win.tokens, win.requests, win.max_running
+
+
+def test_chat_turns_get_eight_sending_jobs_and_four_turns_window_split_over_them(tmp_path):
+    """The chat cell: its cost a token (a request's cost over 129 tokens, 43 KB of states
+    a token) is ~1.95x the reference's, so 8 jobs, as measured good (0.966 against 0.887
+    with 4); each turn keeps half of what a turn of four kept, so the turns together, and
+    the server's running limit, hold what four did."""
+    path = _chat_7b(tmp_path)
+    win = choose(read_config(path), CHAT)
+    assert win.sending.jobs == win.sending.derived == 8
+    assert win.requests == -(-8192 // 101) == 82  # two passes x 4/8 turns, in the median
+    assert win.tokens == math.ceil(82 * 129.3) == 10_603  # those requests at the mean
+    assert win.max_running == 82 * 8 == 656
+    four = choose(read_config(path, {"client": {"sending_jobs": 4}}), CHAT)
+    assert _window(four) == (math.ceil(163 * 129.3), 163, 652)  # the shipped window
+    assert abs(win.max_running - four.max_running) <= 8
+    said = win.sending.describe()
+    head = ("sending jobs 8 (auto: ~0.253 ms of a sending job's time a token for records of "
+            "mean 129 tokens at 43.0 KB of states a token")  # fmt: skip
+    assert said.startswith(head), said
+    assert said.endswith("4 x 1.95 = 7.8; -j below 8 caps it)"), said
+    assert "x 4/8 turns" in win.describe() and "requests x 8 sending jobs" in win.describe()
+
+
+def test_where_four_turns_were_good_auto_is_four_and_the_window_as_it_was(tmp_path):
+    """ShareGPT-like records on Qwen3-8B with EAGLE-3's three aux layers (the reference),
+    the bimodal Llama cell with four, and long records: four jobs and exactly the window a
+    set four gives, before the merge too."""
+    (tmp_path / "q").mkdir()
+    (tmp_path / "l").mkdir()
+    sharegpt = _project(tmp_path / "q", **{"client.sending_jobs": "auto"})
+    llama = _project(tmp_path / "l", layers=32, aux_layers=[2, 11, 20, 29],
+                     **{"client.sending_jobs": "auto"})  # fmt: skip
+    for path, lengths in ((sharegpt, SHAREGPT), (sharegpt, LONG), (sharegpt, None),
+                          (llama, BIMODAL), (llama, LONG)):  # fmt: skip
+        auto = choose(read_config(path), lengths)
+        four = choose(read_config(path, {"client": {"sending_jobs": 4}}), lengths)
+        assert (auto.sending.jobs, auto.sending.derived) == (4, 4), (path, lengths)
+        assert _window(auto) == _window(four), (path, lengths)
+    assert _window(choose(read_config(sharegpt), SHAREGPT)) == (math.ceil(59 * 529.4), 59, 236)
+    assert "caps" not in choose(read_config(sharegpt), SHAREGPT).sending.describe()
+
+
+def test_a_set_count_wins_with_a_turn_s_window_whole(tmp_path):
+    path = _chat_7b(tmp_path, **{"client.sending_jobs": 6})
+    win = choose(read_config(path), CHAT, workflow_jobs=2)
+    assert (win.sending.jobs, win.sending.derived) == (6, None)
+    assert (win.requests, win.max_running) == (163, 163 * 6)  # not split, not capped
+    assert win.sending.describe() == "sending jobs 6 (client.sending_jobs set)"
+    assert "requests x client.sending_jobs" in win.describe()
+
+
+def test_the_workflow_s_j_caps_the_derived_count_and_says_so(tmp_path, monkeypatch):
+    """-j6 under a derived 8: six turns, the window split over six; never below four (the
+    jobs share the turns none holds); the launch's running limit is the same at any -j (a
+    one-chunk redo at -j1 keeps the live server).  The workflow exports its -j to its
+    jobs and its log line says the cap; a dry run's does not."""
+    path = _chat_7b(tmp_path)
+    cfg = read_config(path)
+    six = choose(cfg, CHAT, workflow_jobs=6)
+    assert (six.sending.jobs, six.sending.derived) == (6, 8)
+    assert six.requests == math.ceil(math.ceil(16384 * 4 / 6) / 101) == 109
+    assert six.max_running == 656 == choose(cfg, CHAT).max_running
+    assert "; -j6 caps it at 6, the window split over 6)" in six.sending.describe()
+    two = choose(cfg, CHAT, workflow_jobs=2)
+    assert two.sending.jobs == 4 and (two.requests, two.max_running) == (163, 656)
+    assert "-j2 caps it at 4, the least" in two.sending.describe()
+    assert choose(cfg, CHAT, workflow_jobs=16).sending.jobs == 8
+    assert "caps" not in choose(cfg, CHAT, workflow_jobs=16).sending.describe()
+    # Every reader of the run asks for_run, which takes the workflow's -j from its jobs'
+    # environment; the launch flag does not move with it.
+    _merge_stats(path, _stats(129.3, 101, 494, records=7736))
+    spec = build_spec(cfg, run_dir=run_dir(cfg), log_path=tmp_path / "s.log")
+    monkeypatch.setenv(WORKFLOW_JOBS_ENV, "6")
+    assert for_run(cfg).sending.jobs == 6
+    capped = build_spec(cfg, run_dir=run_dir(cfg), log_path=tmp_path / "s.log")
+    flag = "--max-running-requests"
+    assert spec.argv[spec.argv.index(flag) + 1] == capped.argv[capped.argv.index(flag) + 1]
+    assert capped.argv[capped.argv.index(flag) + 1] == "656"
+    monkeypatch.delenv(WORKFLOW_JOBS_ENV)
+
+    def workflow(*args: str) -> str:
+        """The sending jobs' line of a workflow that merges the records (a cheap job: the
+        line is said as the workflow starts, from the stats written above)."""
+        target = str(run_dir(cfg) / "merged" / "train.jsonl")
+        proc = subprocess.run(
+            [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d",
+             str(tmp_path), "--configfile", str(path), *args, "--", target],
+            cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return next(ln for ln in proc.stderr.splitlines() if "sending jobs" in ln)
+
+    # A dry run runs nothing: it says what -j would cap.
+    assert workflow("-n", "-j6") == f"hsextract: {choose(cfg, CHAT).sending.describe()}"
+    assert workflow("-j6") == f"hsextract: {six.sending.describe()}"
+
+
+def test_the_derived_count_is_the_turns_a_chunk_job_takes(demo_copy, tmp_path, monkeypatch):
+    """One chunk job of the demo, its run's records counted short (its merged stats: a
+    mean of 64 tokens) and client.sending_jobs auto, under a workflow of -j6: the job took
+    a turn of 6 (the derived 8 capped), as its sidecar says, on a server whose running
+    limit is the uncapped split's."""
+    import copy
+    import os
+
+    from hsextract import server
+    from hsextract.client import extract_chunk
+    from hsextract.config import load_config, typed
+
+    workdir, rd = demo_copy["workdir"], demo_copy["run_dir"]
+    monkeypatch.chdir(workdir)
+    (rd / "merged" / "stats.json").write_text(json.dumps(_stats(64, 64, 200, records=48)))
+    raw = copy.deepcopy(load_config(workdir / "config.yaml"))
+    raw["client"].update(requests_in_flight=4, tokens_in_flight=600, sending_jobs="auto")
+    raw["server"]["max_running_requests"] = "auto"
+    raw["dump"]["dir"] = str(tmp_path / "dump")
+    cfg = typed(raw)
+    assert choose(cfg, merged_lengths(rd / "merged" / "stats.json")).sending.jobs == 8
+    monkeypatch.setenv(WORKFLOW_JOBS_ENV, "6")
+    chunk = max(demo_copy["manifest"]["chunks"], key=lambda c: c["records"])
+    name = Path(chunk["path"]).stem
+    spec = server.build_spec(cfg, run_dir=tmp_path, log_path=tmp_path / "server.log")
+    assert spec.argv[spec.argv.index("--max-running-requests") + 1] == str(4 * 8)
+    state = server.start(spec, owner=os.getpid())
+    try:
+        sidecar = extract_chunk(
+            cfg,
+            chunk_path=rd / "chunks" / f"{name}.jsonl",
+            index_path=rd / "chunks" / "index.json",
+            out_path=tmp_path / f"{name}.safetensors",
+            sidecar_path=tmp_path / f"{name}.json",
+            ensure=lambda: state,
+            progress=False,
+        )
+    finally:
+        server.stop(state)
+    assert sidecar["sending_jobs"] == 6
+    assert sidecar["records"] == chunk["records"]

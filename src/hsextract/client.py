@@ -990,9 +990,6 @@ def _extract_chunk(
     bar = _progress(name, total_tokens, len(records), progress)
     tracker.set_total(total_tokens, len(records))
 
-    # A turn to send (client.sending_jobs per dump dir), held until the last record is
-    # sent: this job's writes, fsync and sha256 then overlap a waiting job's requests.
-    turn = SendingTurn(client.dump_dir, cfg.client.sending_jobs)
     # The server's window (requests_in_flight and tokens_in_flight per turn, both per DP
     # worker; ``auto`` from the records' lengths, hsextract.window) is shared by the jobs
     # holding a turn: a turn no job holds -- none was ready when it was handed on -- is theirs.
@@ -1000,6 +997,11 @@ def _extract_chunk(
     # past it a request only waits in SGLang's queue, its timeout running (seen in CI: the
     # reference engine at 8 running, a job alone at 32 in flight, requests abandoned).
     win = for_run(cfg)
+    # A turn to send (client.sending_jobs per dump dir; ``auto`` from the records' cost a
+    # token, within the workflow's -j: every job of the run derives the same count), held
+    # until the last record is sent: this job's writes, fsync and sha256 then overlap a
+    # waiting job's requests.
+    turn = SendingTurn(client.dump_dir, win.sending.jobs)
     dp = dp_size(cfg)
     tokens = win.tokens * dp if win.tokens is not None else None
     window = _Window(turn, win.requests * dp, cap=win.max_running * dp, tokens=tokens)
@@ -1126,6 +1128,8 @@ def _extract_chunk(
         "shm_peak_bytes": shm.peak,
         # Wall clock [took its turn to send, sent its last record].
         "sending": [round(turn.taken_at or 0.0, 3), round(turn.released_at or 0.0, 3)],
+        # Of how many turns (client.sending_jobs, auto within the workflow's -j).
+        "sending_jobs": turn.n,
         # Wall clock: its last response came, then was in and written (fsync, sha256 next).
         "last_response_at": round(client.last_response_at or drained_at, 3),
         "drained_at": round(drained_at, 3),

@@ -101,8 +101,8 @@ class ClientConfig:
     requests_in_flight: int | str = "auto"
     #: tokens in flight per sending turn (per dp worker); auto = client.requests_in_flight's records at the merged mean length, within 2-4 x server.chunked_prefill_size (2 before the merge), while client.requests_in_flight is auto too; no token limit when that is set; a record longer than it goes alone (hsextract.window)
     tokens_in_flight: int | str = "auto"
-    #: chunk jobs sending at once
-    sending_jobs: int = 4
+    #: chunk jobs sending at once; auto = 4 x the records' cost a token to a sending job (a fixed cost a request over the merged mean length, and a cost a byte of captured states) over that of ShareGPT-like records on an 8B with 3 aux layers, within [4, 16] and the workflow's -j, the auto windows a turn split over them so the turns together hold what 4 did (hsextract.window); a set count keeps a turn's window whole
+    sending_jobs: int | str = "auto"
     #: the chunk jobs' CPU niceness, 0-19 (hsextract.procs.lower_priority): above 0 the server wins a core both want -- its scheduler must launch the next pass the moment one ends; a job already nicer stays so
     nice: int = 5
     #: one request's timeout

@@ -107,7 +107,7 @@ def advice(cfg: Config, sizing: ChunkSizing) -> list[str]:
     mean = sizing.total_tokens / sizing.n_records if sizing.n_records else 0
     win = in_flight(cfg, sizing)
     per_turn = win.requests * mean if win.tokens is None else min(win.tokens, win.requests * mean)
-    window = cfg.client.sending_jobs * dp * per_turn
+    window = win.sending.jobs * dp * per_turn
     if sizing.n_chunks > 1 and per < window:
         out.append(
             f"a chunk (~{per:,.0f} tokens) is smaller than the requests the sending jobs "
@@ -124,18 +124,18 @@ def in_flight(cfg: Config, sizing: ChunkSizing | None) -> InFlight:
     if win.lengths is None and sizing is not None and sizing.n_records:
         mean = sizing.total_tokens / sizing.n_records
         src = "the inputs' count (the merge's stats replace it)"
-        win = choose(
-            cfg, Lengths(mean=mean, p50=None, p99=None, records=sizing.n_records, source=src)
-        )
+        lengths = Lengths(mean=mean, p50=None, p99=None, records=sizing.n_records, source=src)
+        win = choose(cfg, lengths, workflow_jobs=win.sending.workflow_jobs)
     return win
 
 
 def sizing_report(cfg: Config, sizing: ChunkSizing | None) -> list[str]:
-    """What ``auto`` chose, then its advice, then the in-flight window: the lines
-    ``hsextract plan`` and every ``snakemake`` invocation print."""
+    """What ``auto`` chose, then its advice, then the sending jobs and the in-flight
+    window: the lines ``hsextract plan`` and every ``snakemake`` invocation print."""
     lines = [] if sizing is None else [sizing.describe()]
     lines += [f"  note: {line}" for line in (advice(cfg, sizing) if sizing else [])]
-    return [*lines, in_flight(cfg, sizing).describe(cfg.sglang.dp_size)]
+    win = in_flight(cfg, sizing)
+    return [*lines, win.sending.describe(), win.describe(cfg.sglang.dp_size)]
 
 
 def chunk_sizing(cfg: Config, *, write_cache: bool = True) -> ChunkSizing | None:
