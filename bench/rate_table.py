@@ -71,11 +71,13 @@ class Cell:
     sets: tuple[str, ...] = ()
 
     def spec(self, seed: int) -> str:
-        """What the cell measured: a row is resumed only under the same spec."""
+        """What the cell measured: a row is resumed only under the same spec.  ``sending=
+        auto``: the derived sending jobs (cell_config), which rows of the set count before
+        them lack, so a CSV of those is not resumed as these."""
         sets = f" set={','.join(self.sets)}" if self.sets else ""
         return (
             f"{self.model} {self.lengths} aux={self.aux or 'default'} dp={self.dp} "
-            f"tokens={self.tokens} seed={seed}{sets}"
+            f"tokens={self.tokens} seed={seed} sending=auto{sets}"
         )
 
 
@@ -160,8 +162,10 @@ def cell_config(
 ) -> tuple[Path, list[int]]:
     """hsextract's config for the cell (``n_chunks: auto``), and the aux layers it captures.
     SGLang: race's (the shipped 1xH200 config, payload flags; dp 2: race.dp2_config);
-    --quick: stream_budget's (config.yaml, reference engine).  ``tag``: a variant's own
-    config dir and output root; ``sets``: its overrides, after the cell's."""
+    --quick: stream_budget's (config.yaml, reference engine).  ``client.sending_jobs`` is
+    the shipped default, ``auto`` (derived from the cell's records and shape,
+    hsextract.window), whatever count those configs set: the row is what ships.  ``tag``:
+    a variant's own config dir and output root; ``sets``: its overrides, after the cell's."""
     import yaml
 
     from hsextract.convention import default_aux_layers
@@ -183,7 +187,7 @@ def cell_config(
         cfg_path = race.dp2_config(cwork, cfg_path)
     elif cell.dp != 1:
         raise SystemExit(f"dp {cell.dp}: only dp 2 on one GPU is set up (race.dp2_config)")
-    apply_sets(cfg_path, cell.sets + sets)
+    apply_sets(cfg_path, ("client.sending_jobs=auto", *cell.sets, *sets))
     return cfg_path, aux if aux is not None else default_aux_layers(n_layers)
 
 

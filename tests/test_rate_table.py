@@ -85,7 +85,10 @@ def test_quick_cell_row_comes_from_its_run_and_a_second_call_skips_it(tmp_path: 
         sides = [json.loads(p.read_text()) for p in sorted((cwork / "sidecars").glob("*.json"))]
         assert sides and int(row["n_chunks"]) == len(sides)
         assert sum(s["tokens"] for s in sides) == sum(lens)
-        turns = 4  # config.yaml's client.sending_jobs, which the quick cell keeps
+        # The turns its jobs took: client.sending_jobs auto, as shipped (the cell's short
+        # records derive more than 4), within the bench's -j2: 4, the least.
+        turns = 4
+        assert {s["sending_jobs"] for s in sides} == {turns}
         fig = race.sending_figures(sides, jobs_n=2, n_turns=turns)
         assert int(row["hsx_sending_tok_s"]) == fig["sending_tok_s"]
         assert float(row["hsx_sending_s"]) == fig["sending_s"]
