@@ -381,6 +381,13 @@ def hsx_config(work: Path, data: Path, n_chunks: int | str, tag: str = "hsx",
     return path
 
 
+def turns_used(sidecars: list[dict]) -> int:
+    """The sending turns the chunk jobs took (client.sending_jobs, ``auto`` within the
+    workflow's -j), as their sidecars say; 4, the count before it was derived, for
+    sidecars written before they said it."""
+    return max((int(s.get("sending_jobs") or 0) for s in sidecars), default=0) or 4
+
+
 def sidecar_windows(side: Path) -> dict:
     """What the chunk jobs' windows were (sidecars ``window``, ``window_tokens``: own share,
     peak) and the running limit their server was started with (its argv)."""
@@ -693,9 +700,7 @@ def run_hsextract(work: Path, cfg_path: Path, jobs: int, tokens: int, timeout_s:
     )  # fmt: skip
     out["server"] = server_log_figures(run / "logs" / "server.log", healthy)
     if sidecars:
-        # The turns the jobs used (client.sending_jobs, auto within -j), as they say.
-        turns = max(int(s.get("sending_jobs") or 0) for s in sidecars) or 4
-        out.update(sending_figures(sidecars, jobs_n=jobs, n_turns=turns))
+        out.update(sending_figures(sidecars, jobs_n=jobs, n_turns=turns_used(sidecars)))
         first = out["first_sent_at"]
         out["gpu_busy_sending_pct"] = smp.busy_between(first, first + out["sending_s"])
         out["server_sending"] = server_log_figures(run / "logs" / "server.log",

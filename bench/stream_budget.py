@@ -537,7 +537,6 @@ def run_workflow(
 ) -> dict:
     """``snakemake -jN extract_all`` on ``cfg_path``: disk sampled, the consumer alongside
     (budget run), the sending phase from the sidecars."""
-    import yaml
 
     from hsextract.config import read_config, run_dir
 
@@ -608,8 +607,7 @@ def run_workflow(
             if any("bytes" in s for s in side)
             else None
         )
-        turns = yaml.safe_load(cfg_path.read_text())["client"]["sending_jobs"]
-        out.update(race.sending_figures(side, jobs_n=jobs, n_turns=turns))
+        out.update(race.sending_figures(side, jobs_n=jobs, n_turns=race.turns_used(side)))
     out.update(disk.figures(out.get("first_sent_at")))
     out["disk_rows"] = disk.rows
     waits = [

@@ -205,7 +205,7 @@ def test_set_overrides_reach_the_cells_config_its_window_and_its_spec(tmp_path: 
     assert yaml.safe_load(cfg.read_text())["client"]["tokens_in_flight"] == 21000
     win = choose(read_config(cfg), None)
     assert (win.tokens, win.requests) == (21000, 163) != (before.tokens, before.requests)
-    assert win.max_running == 163 * read_config(cfg).client.sending_jobs
+    assert win.max_running == 163 * win.sending.jobs
 
     cell = rt.CELLS["chat-7b-5aux"]
     varied = rt.replace(cell, sets=("client.tokens_in_flight=21000",))

@@ -100,6 +100,8 @@ def test_qwen3_8b_config_launches_hooks_on_the_eagle3_layers(tmp_path):
     aux = [h["config"]["layer"] for h in hooks if h["config"]["role"] == "aux"]
     assert aux == [2, 18, 33]
     # auto, before any merge: 2 x 8,192 tokens a turn over an assumed 512-token mean = 32
-    # requests a turn, x 4 sending jobs (hsextract.window).
-    assert argv[argv.index("--max-running-requests") + 1] == str(32 * cfg.client.sending_jobs)
+    # requests a turn, x 4 sending jobs, what auto derives for that mean at the 8B's bytes
+    # a token (hsextract.window).
+    assert cfg.client.sending_jobs == "auto"
+    assert argv[argv.index("--max-running-requests") + 1] == str(32 * 4)
     assert "SGLANG_HS_DUMP_DIR" not in env  # hooks carry the dump dir, not the patch's env

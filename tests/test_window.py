@@ -76,8 +76,9 @@ def test_short_records_get_a_larger_request_window_at_the_same_token_target(tmp_
     passes: the short records get ~15x the requests, counted in the median; the token
     window holds those requests at the mean length (else it binds first and a turn holds
     fewer requests than the bare server it is compared with), within 2-4 passes.  The
-    server's running limit follows (requests x sending jobs)."""
-    path = _project(tmp_path)
+    server's running limit follows (requests x sending jobs).  Four turns set: the window
+    a turn keeps when the count is derived is the next tests'."""
+    path = _project(tmp_path, **{"client.sending_jobs": 4})
     short = _merge_stats(path, _stats(130, 110, 500))
     chat = for_run(read_config(path))
     assert merged_lengths(short) == Lengths(130.0, 110.0, 500.0, 1000, str(short))
@@ -103,8 +104,9 @@ def test_short_records_get_a_larger_request_window_at_the_same_token_target(tmp_
 def test_a_set_value_wins_and_auto_reaches_the_launch(tmp_path):
     """The running limit is a launch flag: auto gives the derived value (argv and the
     spec's settings, so a server started on other lengths is replaced); a number is used
-    as set.  Neither moves the fingerprint (chunk content does not depend on the window)."""
-    auto = _project(tmp_path)
+    as set.  Neither moves the fingerprint (chunk content does not depend on the window).
+    Four turns set (the derived count is the tests' below)."""
+    auto = _project(tmp_path, **{"client.sending_jobs": 4})
     _merge_stats(auto, _stats(130, 110, 500))
     cfg = read_config(auto)
     spec = build_spec(cfg, run_dir=run_dir(cfg), log_path=tmp_path / "s.log")
@@ -133,7 +135,7 @@ def test_a_set_value_wins_and_auto_reaches_the_launch(tmp_path):
 
 
 def test_plan_says_what_it_chose_and_from_which_stats(tmp_path):
-    path = _project(tmp_path)
+    path = _project(tmp_path, **{"client.sending_jobs": 4})
     stats = _merge_stats(path, _stats(130, 110, 500, records=11_538))
     proc = subprocess.run(
         [sys.executable, "-m", "hsextract.cli", "plan", "--configfile", str(path)],
