@@ -71,11 +71,16 @@ def run_snakemake(workdir: Path, *args: str, check: bool = True, timeout: float 
     return proc
 
 
-def make_workdir(path: Path, **overrides) -> Path:
+def make_workdir(path: Path, *, built_model: bool = True, **overrides) -> Path:
     """A workdir with the repo's config.yaml (plus overrides) and its own results/.
 
     The audit stage is off unless ``audit.records`` is given: it costs each full run a few
-    seconds of CPU, and only the demo fixture and tests/test_audit.py are about it."""
+    seconds of CPU, and only the demo fixture and tests/test_audit.py are about it.
+
+    ``built_model``: the demo's model is put in place as the ``demo_model`` job leaves it
+    (:func:`_put_demo_model`), so a test's first run does not build it again: ~6 s of
+    importing transformers a run, ~10 % of the suite on CI's two cores.  Tests about the
+    demo stage itself, or about what a refused or dry run leaves on disk, pass False."""
     path.mkdir(parents=True, exist_ok=True)
     cfg = yaml.safe_load((REPO / "config.yaml").read_text())
     overrides.setdefault("audit.records", 0)
@@ -86,7 +91,57 @@ def make_workdir(path: Path, **overrides) -> Path:
             node = node.setdefault(p, {})
         node[parts[-1]] = value
     (path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    if built_model:
+        _put_demo_model(path)
     return path
+
+
+#: Where this test process keeps the demo models it built, by their settings' digest
+#: (set by the session fixture below; None outside pytest: nothing is put in place).
+_MODEL_CACHE: Path | None = None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _demo_model_cache(tmp_path_factory):
+    global _MODEL_CACHE
+    _MODEL_CACHE = tmp_path_factory.mktemp("demo-models")
+    yield
+    _MODEL_CACHE = None
+
+
+def _put_demo_model(workdir: Path) -> None:
+    """Copy the demo's model into ``workdir``'s model.path, built once per test process
+    with the very function and settings file the ``demo_model`` job uses: same seed, same
+    bytes, and a settings file named for the same digest, so Snakemake finds the job's
+    outputs in place and plans nothing for it.  A config whose demo is off, whose model
+    path is its own, or that does not load (a test of a refusal) is left as it is."""
+    if _MODEL_CACHE is None:
+        return
+    from hsextract.config import read_config, settings_digest
+    from hsextract.stages import stage_settings
+    from hsextract.steps import write_settings
+
+    try:
+        cfg = read_config(workdir / "config.yaml")
+    except Exception:
+        return
+    model = Path(cfg.model.path)
+    if not cfg.demo.enabled or model.is_absolute() or (workdir / model).exists():
+        return
+    settings = stage_settings(cfg)["demo_model"]
+    digest = settings_digest(settings)
+    cached = _MODEL_CACHE / digest
+    if not cached.is_dir():
+        import torch
+
+        from hsextract.demo import build_demo_model
+
+        staging = _MODEL_CACHE / f".{digest}.{os.getpid()}"
+        with torch.random.fork_rng():  # the build seeds torch; this process's RNG is not its
+            build_demo_model(staging, settings["demo"])
+        write_settings(staging / f"settings-{digest}.json", {"demo": settings["demo"]})
+        os.replace(staging, cached)
+    shutil.copytree(cached, workdir / model)
 
 
 def own_config(demo_run: dict, root: Path, **extra) -> dict:

@@ -111,7 +111,7 @@ def test_bad_values_are_refused_at_validation_naming_the_key(tmp_path, override,
 
 def test_a_float_setting_in_snakemake_stops_before_any_job(tmp_path):
     """`--config n_chunks=4.0` passed the schema on 8e5f95d, then crashed in range()."""
-    project = make_workdir(tmp_path / "p")
+    project = make_workdir(tmp_path / "p", built_model=False)
     proc = subprocess.run(
         snakemake_cmd(project, "-n", "extract_all", "--config", "n_chunks=4.0"),
         capture_output=True, text=True, timeout=300,
@@ -193,7 +193,7 @@ def test_a_failed_merge_then_fixed_input_reruns_the_merge(demo_run, tmp_path):
 def test_the_project_config_is_the_only_default(tmp_path):
     """The Snakefile names no configfile of its own: what is read is what load_config says."""
     assert "\nconfigfile:" not in (REPO / "Snakefile").read_text()
-    project = make_workdir(tmp_path / "p")
+    project = make_workdir(tmp_path / "p", built_model=False)
     proc = subprocess.run(
         snakemake_cmd(project, "-n", "extract_all"), capture_output=True, text=True, timeout=300
     )

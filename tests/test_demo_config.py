@@ -29,7 +29,7 @@ def _dry(workdir, *config: str) -> subprocess.CompletedProcess:
 
 
 def test_inputs_beside_the_demo_are_refused_saying_what_to_set(tmp_path):
-    wd = make_workdir(tmp_path / "w")
+    wd = make_workdir(tmp_path / "w", built_model=False)
     (wd / "my").mkdir()
     (wd / "my" / "a.jsonl").write_text('{"input_ids": [1, 2], "loss_mask": [0, 1]}\n')
     proc = _dry(wd, 'inputs=["my/*.jsonl"]')
@@ -41,7 +41,7 @@ def test_inputs_beside_the_demo_are_refused_saying_what_to_set(tmp_path):
 
 
 def test_the_shipped_config_runs_the_demo_and_old_demo_inputs_still_do(tmp_path):
-    wd = make_workdir(tmp_path / "w")
+    wd = make_workdir(tmp_path / "w", built_model=False)
     proc = _dry(wd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert {"demo_data", "demo_model", "extract_chunk"} <= set(planned_jobs(proc.stdout))
@@ -51,14 +51,14 @@ def test_the_shipped_config_runs_the_demo_and_old_demo_inputs_still_do(tmp_path)
 
 
 def test_without_the_demo_inputs_are_required(tmp_path):
-    wd = make_workdir(tmp_path / "w", **{"demo.enabled": False})
+    wd = make_workdir(tmp_path / "w", built_model=False, **{"demo.enabled": False})
     proc = _dry(wd)
     assert proc.returncode != 0
     assert "inputs is not set: list the JSON-lines shards to extract" in proc.stdout + proc.stderr
 
 
 def test_your_inputs_and_model_without_the_demo_plan_no_demo_job(tmp_path):
-    wd = make_workdir(tmp_path / "w")
+    wd = make_workdir(tmp_path / "w", built_model=False)
     (wd / "my").mkdir()
     (wd / "my" / "a.jsonl").write_text('{"input_ids": [1, 2], "loss_mask": [0, 1]}\n')
     model = wd / "mymodel"
@@ -86,7 +86,7 @@ def test_your_inputs_and_model_without_the_demo_plan_no_demo_job(tmp_path):
 def test_turning_the_demo_off_on_the_demos_config_is_refused(tmp_path):
     """Issue 34: `--config 'demo={enabled: false}' ...` on the shipped config kept the demo's
     max_seq_len: 512 and truncated 20 of 20 long records without a word."""
-    wd = make_workdir(tmp_path / "w")
+    wd = make_workdir(tmp_path / "w", built_model=False)
     (wd / "my").mkdir()
     (wd / "my" / "a.jsonl").write_text('{"input_ids": [1, 2], "loss_mask": [0, 1]}\n')
     proc = _dry(wd, 'inputs=["my/*.jsonl"]', "demo={enabled: false}", "model={path: m}")
@@ -98,7 +98,7 @@ def test_turning_the_demo_off_on_the_demos_config_is_refused(tmp_path):
 
 
 def test_the_demo_never_overwrites_a_real_model(tmp_path):
-    wd = make_workdir(tmp_path / "w")
+    wd = make_workdir(tmp_path / "w", built_model=False)
     model = tmp_path / "real-model"
     model.mkdir()
     (model / "config.json").write_text('{"vocab_size": 129280}')
@@ -111,7 +111,7 @@ def test_the_demo_never_overwrites_a_real_model(tmp_path):
 
 
 def test_the_cli_refuses_the_same_combination(tmp_path):
-    wd = make_workdir(tmp_path / "w")
+    wd = make_workdir(tmp_path / "w", built_model=False)
     proc = subprocess.run(
         [sys.executable, "-m", "hsextract.cli", "run-dir", "--config", 'inputs=["x/*.jsonl"]'],
         cwd=wd, capture_output=True, text=True,
@@ -127,7 +127,7 @@ def _tree(d: Path) -> dict[str, bytes]:
 def test_a_model_path_holding_someones_files_is_refused_and_left_whole(tmp_path):
     """Issue 20, item 5: mymodels/ with llama/weights.bin and a README (no config.json)
     was rmtree'd and replaced by the demo model."""
-    wd = make_workdir(tmp_path / "w", **{"model.path": "mymodels"})
+    wd = make_workdir(tmp_path / "w", built_model=False, **{"model.path": "mymodels"})
     mine = wd / "mymodels"
     (mine / "llama").mkdir(parents=True)
     (mine / "llama" / "weights.bin").write_bytes(b"\x07" * 64)

@@ -45,7 +45,7 @@ def _files(d: Path) -> dict[str, tuple[bytes, int]]:
 
 
 def test_a_dump_dir_holding_files_is_refused_by_the_workflow_naming_it(tmp_path):
-    wd = make_workdir(tmp_path / "w", **{"dump.dir": "scratch/mine"})
+    wd = make_workdir(tmp_path / "w", built_model=False, **{"dump.dir": "scratch/mine"})
     mine = wd / "scratch" / "mine"
     before = _plant(mine)
     proc = subprocess.run(
