@@ -38,7 +38,8 @@ STAGES = {
 
 
 def test_dry_run_lists_every_stage_and_chunk_without_loading_a_model(tmp_path):
-    workdir = make_workdir(tmp_path / "w", built_model=False, n_chunks=7, **{"audit.records": 16})  # as shipped
+    # As shipped (the audit on), the demo's model not built: a dry run loads no model.
+    workdir = make_workdir(tmp_path / "w", built_model=False, n_chunks=7, **{"audit.records": 16})
     # A torch that cannot be imported: planning must not need it (nor any model).
     poison = tmp_path / "poison"
     (poison / "torch").mkdir(parents=True)
