@@ -51,7 +51,7 @@ def test_status_names_unclaimed_dump_dirs_and_the_next_workflows_stale_stage_rem
     droot.mkdir()
     current = run_dir_of(wd)
     root = current.parent
-    root.mkdir(parents=True)
+    root.mkdir(parents=True, exist_ok=True)  # the demo's model may be in place under it
     killed, other, busy = a_run(root, "aaaa"), a_run(root, "bbbb"), a_run(root, "cccc")
     gone = a_dump(droot, killed)
     mixed = a_dump(droot, other, foreign=True)

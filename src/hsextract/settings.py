@@ -166,7 +166,7 @@ DECLARED: tuple[Setting | Group, ...] = (
     S("client.tokens_in_flight", ("integer", "string"), "tokens in flight per sending turn (per dp worker); auto = client.requests_in_flight's records at the merged mean length, within 2-4 x server.chunked_prefill_size (2 before the merge), while client.requests_in_flight is auto too; no token limit when that is set; a record longer than it goes alone (hsextract.window)", default="auto", sample=4096,
       schema=_AUTO),
     S("client.sending_jobs", ("integer", "string"), "chunk jobs sending at once; auto = 4 x the records' cost a token to a sending job (a fixed cost a request over the merged mean length, and a cost a byte of captured states) over that of ShareGPT-like records on an 8B with 3 aux layers, within [4, 16] and the workflow's -j, the auto windows a turn split over them so the turns together hold what 4 did (hsextract.window); a set count keeps a turn's window whole",
-      default="auto", sample=2, schema=_AUTO, note="`auto`: `hsextract plan` and the workflow's log say the count and why"),
+      default="auto", sample=2, schema=_AUTO, note="`auto`: the count and why, said by the plan command (hsextract plan) and the workflow's log"),
     S("client.nice", "integer", "the chunk jobs' CPU niceness, 0-19 (hsextract.procs.lower_priority): above 0 the server wins a core both want -- its scheduler must launch the next pass the moment one ends; a job already nicer stays so",
       default=5, sample=0, schema={"minimum": 0, "maximum": 19}),
     S("client.request_timeout_s", "number", "one request's timeout", default=600, sample=60, schema=_POS_NUM),
